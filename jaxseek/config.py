@@ -1,0 +1,368 @@
+"""Run configuration: frozen dataclasses, YAML + dotted overrides, validation with one-line errors.
+
+`load(path, overrides)` reads a YAML file whose top-level keys are the sections below, applies
+`section.key=value` overrides (values parsed as YAML), checks every key and type, and validates the values
+that can be checked before the devices are known. Model field names are the Hugging Face `config.json` keys,
+so a model's `config.json` can be used as the `model` section as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from jaxseek.errors import UserError
+
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The model, in Hugging Face `config.json` terms (DeepSeek LLM / MoE / V2 / V3)."""
+
+  model_type: Literal["llama", "deepseek", "deepseek_v2", "deepseek_v3"] = "deepseek_v3"
+  vocab_size: int = 256
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  num_hidden_layers: int = 2
+  num_attention_heads: int = 4
+  num_key_value_heads: int | None = None
+  head_dim: int | None = None
+  attention_bias: bool = False
+  # Multi-head latent attention (V2, V3); kv_lora_rank=None means plain multi-head / grouped-query attention.
+  q_lora_rank: int | None = None
+  kv_lora_rank: int | None = None
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  # Mixture of experts; n_routed_experts=None means every layer is dense.
+  n_routed_experts: int | None = None
+  n_shared_experts: int = 0
+  num_experts_per_tok: int = 1
+  moe_intermediate_size: int = 0
+  first_k_dense_replace: int = 0
+  scoring_func: Literal["softmax", "sigmoid"] = "softmax"
+  topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+  n_group: int = 1
+  topk_group: int = 1
+  norm_topk_prob: bool = False
+  routed_scaling_factor: float = 1.0
+  aux_loss_alpha: float = 0.0
+  # Position encoding.
+  max_position_embeddings: int = 4096
+  rope_theta: float = 10000.0
+  rope_scaling: dict | None = None
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  initializer_range: float = 0.02
+  # Multi-token prediction depth (V3); its training is not built yet, so only 0 is accepted.
+  num_nextn_predict_layers: int = 0
+
+  @property
+  def is_mla(self) -> bool:
+    return self.kv_lora_rank is not None
+
+  @property
+  def is_moe(self) -> bool:
+    return bool(self.n_routed_experts)
+
+  @property
+  def num_dense_layers(self) -> int:
+    return min(self.first_k_dense_replace, self.num_hidden_layers) if self.is_moe else self.num_hidden_layers
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_hidden_layers - self.num_dense_layers
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_key_value_heads or self.num_attention_heads
+
+  @property
+  def dense_head_dim(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh sizes, outermost to innermost; one axis may be -1 (filled from the device count)."""
+
+  pipeline: int = 1
+  data: int = -1
+  fsdp: int = 1
+  expert: int = 1
+  context: int = 1
+  tensor: int = 1
+  num_cpu_devices: int | None = None
+
+  def sizes(self) -> dict[str, int]:
+    return {a: getattr(self, a) for a in MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Input: `synthetic` (seeded random tokens), `python-stdlib` (this Python's own sources, byte-level)."""
+
+  source: str = "synthetic"
+  max_bytes: int = 8_000_000
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with warm-up and a cosine or warm-up-stable-decay schedule, global-norm clipping."""
+
+  lr: float = 3e-4
+  schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+  warmup_steps: int = 100
+  decay_steps: int = 0  # wsd: length of the final linear decay; cosine: 0 means "until train.steps"
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  decay_embeddings: bool = False
+  clip_norm: float = 1.0
+  bias_update_rate: float = 0.001  # aux-loss-free balancing: correction-bias step per optimiser step
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The training run: global batch in sequences, sequence length, accumulation, dtypes."""
+
+  steps: int = 100
+  batch_size: int = 8
+  seq_len: int = 128
+  microbatches: int = 1
+  seed: int = 0
+  run_dir: str = "runs/default"
+  compute_dtype: Literal["float32", "bfloat16"] = "float32"
+  param_dtype: Literal["float32", "bfloat16"] = "float32"
+  remat: Literal["none", "full"] = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints (every N steps, keep the latest K)."""
+
+  every: int = 0
+  keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+  """Logging cadence and outputs."""
+
+  every: int = 10
+  peak_tflops: float | None = None  # per device; None = detect
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  metrics: MetricsConfig = MetricsConfig()
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+  """Reads YAML at `path` (None: defaults), applies `section.key=value` overrides, validates."""
+  raw: dict[str, Any] = {}
+  if path is not None:
+    path = Path(path)
+    if not path.is_file():
+      raise UserError(f"config file {path} not found; pass an existing YAML file to --config (see configs/)")
+    try:
+      raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+      line = getattr(getattr(e, "problem_mark", None), "line", None)
+      where = f" at line {line + 1}" if line is not None else ""
+      raise UserError(f"config file {path} is not valid YAML{where}; fix its syntax") from None
+    if not isinstance(raw, dict):
+      raise UserError(f"config file {path} must hold a mapping of sections (model:, train:, ...)")
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    if not sep or "." not in key:
+      raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
+    section, _, field = key.partition(".")
+    try:
+      parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+      parsed = value
+    raw.setdefault(section, {})
+    if not isinstance(raw[section], dict):
+      raise UserError(f"config section {section!r} must be a mapping")
+    raw[section][field] = parsed
+  cfg = from_dict(raw)
+  validate(cfg)
+  return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+  """Builds a Config from nested dicts, rejecting unknown keys and wrong types."""
+  sections = {}
+  for name, value in raw.items():
+    if name not in _SECTIONS:
+      raise UserError(f"unknown config section {name!r}; valid sections: {', '.join(_SECTIONS)}")
+    if value is None:
+      continue
+    if not isinstance(value, dict):
+      raise UserError(f"config section {name!r} must be a mapping of keys, got {value!r}")
+    sections[name] = _build(_SECTIONS[name], value, name)
+  return Config(**sections)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+  return dataclasses.asdict(cfg)
+
+
+def dump(cfg: Config, path: str | Path) -> None:
+  """Writes the resolved config as YAML (loadable by `load`)."""
+  Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+_SECTIONS = typing.get_type_hints(Config)
+
+
+def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for key, value in values.items():
+    if key not in hints:
+      valid = ", ".join(f.name for f in dataclasses.fields(cls))
+      raise UserError(f"unknown config key {section}.{key}; valid keys in {section}: {valid}")
+    kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+  return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+  """Checks `value` against the annotation `tp`; ints are accepted where floats are expected."""
+  origin = typing.get_origin(tp)
+  if origin in (typing.Union, types.UnionType):
+    options = typing.get_args(tp)
+    if value is None and type(None) in options:
+      return None
+    errors = []
+    for option in options:
+      if option is type(None):
+        continue
+      try:
+        return _coerce(value, option, key)
+      except UserError as e:
+        errors.append(e)
+    raise errors[0]
+  if origin is Literal:
+    allowed = typing.get_args(tp)
+    if value not in allowed:
+      raise UserError(f"config key {key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+    return value
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    raise UserError(f"config key {key}: expected true or false, got {value!r}")
+  if tp is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    raise UserError(f"config key {key}: expected an integer, got {value!r}")
+  if tp is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise UserError(f"config key {key}: expected a number, got {value!r}")
+  if tp is str:
+    if isinstance(value, str):
+      return value
+    raise UserError(f"config key {key}: expected a string, got {value!r}")
+  if tp is dict or origin is dict:
+    if isinstance(value, dict):
+      return value
+    raise UserError(f"config key {key}: expected a mapping, got {value!r}")
+  raise TypeError(f"unsupported config annotation {tp} for {key}")
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+  """Checks values that do not depend on the devices (the mesh builder checks the device count)."""
+  m, t = cfg.model, cfg.train
+  _positive(cfg, "model.vocab_size", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
+            "train.steps", "train.batch_size", "train.seq_len", "train.microbatches", "metrics.every")
+  sizes = cfg.mesh.sizes()
+  if list(sizes.values()).count(-1) > 1:
+    raise UserError("at most one mesh axis may be -1 (auto-filled); set the others to explicit sizes")
+  for axis, size in sizes.items():
+    if size == 0 or size < -1:
+      raise UserError(f"config key mesh.{axis}: {size} is not a valid axis size; use a positive integer or -1")
+  if m.is_mla:
+    _positive(cfg, "model.qk_nope_head_dim", "model.qk_rope_head_dim", "model.v_head_dim")
+    if m.qk_rope_head_dim % 2:
+      raise UserError(f"config key model.qk_rope_head_dim: {m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+  else:
+    if m.num_attention_heads % m.kv_heads:
+      raise UserError(f"config key model.num_key_value_heads: {m.kv_heads} must divide "
+                      f"model.num_attention_heads={m.num_attention_heads}")
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+      raise UserError(f"config key model.num_attention_heads: {m.num_attention_heads} must divide "
+                      f"model.hidden_size={m.hidden_size}, or set model.head_dim")
+  if m.is_moe:
+    _positive(cfg, "model.moe_intermediate_size", "model.num_experts_per_tok", "model.n_group", "model.topk_group")
+    if m.num_experts_per_tok > m.n_routed_experts:
+      raise UserError(f"config key model.num_experts_per_tok: {m.num_experts_per_tok} exceeds "
+                      f"model.n_routed_experts={m.n_routed_experts}")
+    if m.n_routed_experts % m.n_group:
+      raise UserError(f"config key model.n_group: {m.n_group} must divide model.n_routed_experts={m.n_routed_experts}")
+    if m.topk_group > m.n_group:
+      raise UserError(f"config key model.topk_group: {m.topk_group} exceeds model.n_group={m.n_group}")
+    if m.topk_method == "noaux_tc" and m.scoring_func != "sigmoid":
+      raise UserError("config key model.topk_method: noaux_tc needs model.scoring_func=sigmoid")
+  if m.num_nextn_predict_layers:
+    raise UserError("config key model.num_nextn_predict_layers: multi-token prediction training is not available "
+                    "yet; set it to 0")
+  if t.batch_size % t.microbatches:
+    raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
+  sizes = cfg.mesh.sizes()
+  if -1 not in sizes.values():
+    check_mesh_fit(cfg, sizes)
+
+
+def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
+  """Each sharded dimension must divide evenly by the mesh axes the rules put it on."""
+  m = cfg.model
+  checks = [("model.hidden_size", m.hidden_size, ("fsdp",)), ("model.vocab_size", m.vocab_size, ("tensor",)),
+            ("model.num_attention_heads", m.num_attention_heads, ("tensor",)),
+            ("model.intermediate_size", m.intermediate_size, ("tensor",))]
+  if not m.is_mla:
+    checks.append(("model.num_key_value_heads", m.kv_heads, ("tensor",)))
+  if m.is_moe:
+    checks += [("model.moe_intermediate_size", m.moe_intermediate_size, ("tensor",)),
+               ("model.n_routed_experts", m.n_routed_experts, ("expert",))]
+  for key, value, axes in checks:
+    size = 1
+    for a in axes:
+      size *= sizes[a]
+    if value % size:
+      names = " × ".join(f"mesh.{a}={sizes[a]}" for a in axes)
+      raise UserError(f"config key {key}: {value} is not divisible by {names}; change the mesh or the model size")
+  shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  if (cfg.train.batch_size // cfg.train.microbatches) % shards:
+    raise UserError(f"config key train.batch_size: {cfg.train.batch_size} sequences / {cfg.train.microbatches} "
+                    f"microbatches is not divisible by the batch shards data × fsdp × expert = {shards}")
+
+
+def _positive(cfg: Config, *keys: str) -> None:
+  for key in keys:
+    section, field = key.split(".")
+    value = getattr(getattr(cfg, section), field)
+    if value is None or value <= 0:
+      raise UserError(f"config key {key}: {value!r} must be a positive number")

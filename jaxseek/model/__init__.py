@@ -1,0 +1,35 @@
+"""The DeepSeek model family as Flax NNX modules: single-device math with logical axis names.
+
+Shape suffixes (global, logical shapes; inside shard_map a lowercase letter is the local shard):
+
+  B batch             T query position      S key position       D model (hidden_size)
+  F dense hidden      M expert hidden       N heads              G kv heads (grouped-query attention)
+  H qk head dim       R rope dim            P v head dim         C kv_lora_rank
+  Q q_lora_rank       V vocab               L layers             E routed experts
+  K experts per token X tokens flattened (B·T)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxseek.config import ModelConfig
+from jaxseek.model.transformer import Transformer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def build(cfg: ModelConfig, *, seed: int = 0, param_dtype: str = "float32", dtype: str = "float32",
+          remat: str = "none") -> Transformer:
+  """Builds the model with freshly initialised parameters (wrap in nnx.eval_shape to allocate nothing)."""
+  return Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=DTYPES[param_dtype], dtype=DTYPES[dtype], remat=remat)
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Number of parameters, computed from shapes only (nothing is allocated)."""
+  abstract = nnx.eval_shape(lambda: build(cfg))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

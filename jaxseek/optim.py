@@ -1,0 +1,51 @@
+"""The optimiser: AdamW (optax) with warm-up schedules, global-norm clipping and a weight-decay mask."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from jaxseek.config import OptimConfig
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+  """Linear warm-up to `lr`, then cosine decay to `lr·min_lr_ratio` (cosine), or constant and a final linear
+  decay over `decay_steps` (wsd: warm-up, stable, decay), or constant."""
+  warmup = min(cfg.warmup_steps, total_steps)
+  low = cfg.lr * cfg.min_lr_ratio
+  # Step s < warmup uses lr·(s+1)/warmup: the first step already moves the parameters.
+  ramp = optax.linear_schedule(cfg.lr / max(warmup, 1), cfg.lr, max(warmup - 1, 1))
+  if cfg.schedule == "constant":
+    after = optax.constant_schedule(cfg.lr)
+  elif cfg.schedule == "cosine":
+    span = cfg.decay_steps or max(total_steps - warmup, 1)
+    after = optax.cosine_decay_schedule(cfg.lr, span, alpha=cfg.min_lr_ratio)
+  else:
+    decay = min(cfg.decay_steps, max(total_steps - warmup, 0))
+    stable = max(total_steps - warmup - decay, 0)
+    after = optax.join_schedules(
+        [optax.constant_schedule(cfg.lr), optax.linear_schedule(cfg.lr, low, max(decay, 1))], [stable])
+  return optax.join_schedules([ramp, after], [warmup])
+
+
+def decay_mask(params: nnx.State, cfg: OptimConfig):
+  """True where weight decay applies: matrices, not norm scales or biases (one non-layer axis), and not the
+  embedding table unless `decay_embeddings`."""
+
+  def decays(path, var) -> bool:
+    names = [n for n in var.get_metadata()["logical_axes"] if n != "layers"]
+    is_embedding = any(getattr(k, "key", None) == "table_VD" for k in path)
+    return len(names) >= 2 and (cfg.decay_embeddings or not is_embedding)
+
+  return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make(cfg: OptimConfig, total_steps: int, abstract_params: nnx.State) -> optax.GradientTransformation:
+  """clip_by_global_norm → AdamW(schedule, decay mask). `abstract_params` supplies the mask's structure."""
+  mask = decay_mask(abstract_params, cfg)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_norm),
+      optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                  mask=mask),
+  )

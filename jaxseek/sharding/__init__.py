@@ -1,0 +1,1 @@
+"""Device mesh, the logical → mesh sharding rules, and the parallel schedules built on them."""

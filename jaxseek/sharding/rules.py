@@ -1,0 +1,98 @@
+"""THE logical → mesh rules table, one for parameters and one for activations.
+
+Model code names logical axes only (`("embed", "mlp")`); these tables decide which mesh axes shard them.
+In the scaling-book notation the defaults are:
+
+  parameters   W_q[D_fsdp, N_tensor, H], W_gate[D_fsdp, F_tensor], W_down[F_tensor, D_fsdp], E[V_tensor, D_fsdp]
+  activations  x[B_(data,fsdp,expert), T_context, D]
+
+FSDP (ZeRO-3) is "embed → fsdp" for parameters: XLA all-gathers each weight before use and reduce-scatters its
+gradient. Every non-model axis splits the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+Rules = dict[str, tuple[str, ...]]
+
+PARAM_RULES: Rules = {
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "expert_mlp": ("tensor",),
+    "experts": ("expert",),
+    "stages": ("pipeline",),
+}
+
+ACTIVATION_RULES: Rules = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("context",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "expert_mlp": ("tensor",),
+    "experts": ("expert",),
+}
+
+# Every logical name the model may use; those absent from a table are replicated.
+LOGICAL_AXES = frozenset(
+    {"batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp",
+     "expert_mlp", "experts", "layers", "stages"})
+
+
+def spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
+  """PartitionSpec for logical `names`; a mesh axis already used by an earlier dimension is not reused."""
+  used: set[str] = set()
+  out = []
+  for name in names:
+    if name is not None and name not in LOGICAL_AXES:
+      raise ValueError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_AXES)}")
+    axes = tuple(a for a in rules.get(name, ()) if a not in used) if name else ()
+    used.update(axes)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*out)
+
+
+def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
+  return spec(names, ACTIVATION_RULES)
+
+
+def param_spec(names: tuple[str | None, ...]) -> PartitionSpec:
+  return spec(names, PARAM_RULES)
+
+
+def mesh_axes(name: str, rules: Rules = ACTIVATION_RULES) -> tuple[str, ...]:
+  """The mesh axes a logical activation axis is split over (for collectives inside shard_map)."""
+  return rules.get(name, ())
+
+
+def has_mesh() -> bool:
+  return not jax.sharding.get_abstract_mesh().empty
+
+
+def shard(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+  """Constrains an activation's sharding by logical names; a no-op when no mesh is set."""
+  if not has_mesh():
+    return x
+  return jax.lax.with_sharding_constraint(x, activation_spec(names))
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def logical_axes(state) -> object:
+  """The tree of logical-axis tuples of an nnx State (leaves: tuples)."""
+  return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state, is_leaf=_is_variable)
+
+
+def param_shardings(state, mesh: jax.sharding.Mesh, rules: Rules = PARAM_RULES):
+  """NamedShardings for every Variable of an (abstract) nnx State, from its logical axes."""
+  return jax.tree.map(lambda v: NamedSharding(mesh, spec(v.get_metadata()["logical_axes"], rules)), state,
+                      is_leaf=_is_variable)

@@ -1,0 +1,240 @@
+"""Training: state initialised already sharded, one jitted train_step, and the run loop.
+
+python -m jaxseek.train --config FILE [section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxseek import config as config_lib
+from jaxseek import input as input_lib
+from jaxseek import metrics as metrics_lib
+from jaxseek import model as model_lib
+from jaxseek import optim
+from jaxseek.errors import UserError, cli
+from jaxseek.sharding import mesh as mesh_lib
+from jaxseek.sharding.rules import param_spec, shard
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: nnx.State  # trained by the optimiser
+  biases: nnx.State  # MoE correction biases: updated from expert loads, never by the optimiser
+  opt_state: Any
+
+
+@flax.struct.dataclass
+class Trainer:
+  """The static parts of training: the model's graph, the optimiser, the shardings of state and batch."""
+
+  graphdef: Any = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  state_shardings: Any = flax.struct.field(pytree_node=False)
+  abstract_state: Any = flax.struct.field(pytree_node=False)
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+  """Each Variable (parameters and the optimiser moments that mirror them) is sharded by its logical axes;
+  everything else (step, counters) is replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.tree.map(
+      lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"])) if _is_variable(x) else replicated,
+      abstract_state, is_leaf=_is_variable)
+
+
+def init_state(cfg: config_lib.Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
+  """eval_shape → shardings → jit(init, out_shardings): the full model never exists unsharded on one device."""
+
+  def create() -> nnx.Module:
+    return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
+                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat)
+
+  with jax.set_mesh(mesh):
+    graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
+  tx = optim.make(cfg.optim, cfg.train.steps, abstract_params)
+
+  def init() -> TrainState:
+    _, params, biases = nnx.split(create(), nnx.Param, ...)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params))
+
+  with jax.set_mesh(mesh):
+    abstract_state = jax.eval_shape(init)
+    shardings = state_shardings(abstract_state, mesh)
+    state = jax.jit(init, out_shardings=shardings)()
+  return Trainer(graphdef, tx, shardings, abstract_state), state
+
+
+def _split_microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+  """[B, ...] → [n, B/n, ...] taking rows j, j+n, j+2n, ... for microbatch j, so every microbatch keeps
+  rows on every batch shard (a contiguous split would put microbatch 0 on the first devices only)."""
+  return {k: jnp.swapaxes(v.reshape(v.shape[0] // n, n, *v.shape[1:]), 0, 1) for k, v in batch.items()}
+
+
+def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
+               batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimiser step over the global batch, accumulated over `train.microbatches`.
+
+  objective = Σ token CE / Σ loss_mask + aux_loss_alpha · mean-over-microbatches(Σ_layers balance loss).
+  """
+  n_micro = cfg.train.microbatches
+  n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+  alpha = cfg.model.aux_loss_alpha
+
+  def loss_fn(params, mb):
+    model = nnx.merge(trainer.graphdef, params, state.biases)
+    logits_BTV, aux = model.forward(mb["inputs"])
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, mb["targets"])
+    ce_sum = (ce_BT * mb["loss_mask"]).sum()
+    balance = aux["balance"].mean(-1).sum() if "balance" in aux else jnp.zeros(())
+    load_LE = aux.get("load", jnp.zeros((0,)))
+    return ce_sum / n_tokens + alpha * balance / n_micro, (ce_sum, balance, load_LE)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if n_micro == 1:
+    (_, (ce_sum, balance, load_LE)), grads = grad_fn(state.params, batch)
+  else:
+    def accumulate(carry, mb):
+      mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
+      (_, aux), g = grad_fn(state.params, mb)
+      return jax.tree.map(jnp.add, carry, (g, *aux)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (_, aux0), _ = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch))
+    init = (zeros, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0))
+    (grads, ce_sum, balance, load_LE), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, n_micro))
+    balance = balance / n_micro
+
+  updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  biases = jax.tree.map(lambda b: update_bias(b, load_LE, cfg.optim.bias_update_rate), state.biases)
+  metrics = {"loss": ce_sum / n_tokens, "grad_norm": optax.global_norm(grads),
+             "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step)}
+  if load_LE.size:
+    metrics["balance_loss"] = balance
+    metrics["moe_load_max_over_mean"] = (load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)).mean()
+  new_state = TrainState(step=state.step + 1, params=params, biases=biases, opt_state=opt_state)
+  return new_state, metrics
+
+
+def update_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free balancing (V3 §2.1.2): b += rate · sign(mean load − load), loads over the global batch."""
+  return bias_LE + rate * jnp.sign(load_LE.mean(-1, keepdims=True) - load_LE)
+
+
+def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
+  """The jitted step: state and batch in their shardings, state donated."""
+  step = functools.partial(train_step, trainer, cfg)
+  return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.pipeline.batch_shardings(mesh)),
+                 out_shardings=(trainer.state_shardings, None), donate_argnums=0)
+
+
+def prepare_run_dir(cfg: config_lib.Config) -> Path:
+  run_dir = Path(cfg.train.run_dir)
+  if jax.process_index() == 0:
+    try:
+      run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise UserError(f"cannot create train.run_dir={run_dir}: {e.strerror}; choose a writable folder") from None
+    config_lib.dump(cfg, run_dir / "config.yaml")
+  return run_dir
+
+
+def run(cfg: config_lib.Config) -> dict[str, float]:
+  """mesh → run directory → state → data → loop. Returns the summary (first/last loss, tokens/s)."""
+  mesh = mesh_lib.make_mesh(cfg)
+  run_dir = prepare_run_dir(cfg)
+  trainer, state = init_state(cfg, mesh)
+  step_fn = compile_step(trainer, cfg, mesh)
+  batches = input_lib.global_batches(cfg, mesh)
+  tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+  flops_per_step = metrics_lib.flops_per_token(cfg, trainer.abstract_state.params) * tokens_per_step
+  peak, peak_source = metrics_lib.peak_tflops_per_device(cfg.metrics.peak_tflops)
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
+       f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
+  reporter = _Reporter(metrics_lib.Writer(run_dir, cfg.train.steps), cfg, flops_per_step, peak)
+  pending = None
+  with jax.set_mesh(mesh):
+    for step in range(1, cfg.train.steps + 1):
+      data_start = time.perf_counter()
+      batch = next(batches)
+      data_wait = time.perf_counter() - data_start
+      state, metrics = step_fn(state, batch)
+      if pending is not None:  # read one step late: the device is already busy with this step
+        reporter(*pending)
+      pending = (step, metrics, data_wait)
+    reporter(*pending)
+  reporter.writer.close()
+  steady = reporter.step_times[1:] or reporter.step_times  # the first step includes compilation
+  summary = {"first_loss": reporter.losses[0], "last_loss": reporter.losses[-1], "steps": cfg.train.steps,
+             "tokens_per_sec": tokens_per_step * len(steady) / sum(steady)}
+  _log(f"done: loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f} over {cfg.train.steps} steps | "
+       f"{summary['tokens_per_sec']:,.0f} tokens/s (after the first step, which compiles) | run dir {run_dir}")
+  return summary
+
+
+class _Reporter:
+  """Fetches each step's metrics (waiting for that step to finish), times steps, writes every metrics.every."""
+
+  def __init__(self, writer: metrics_lib.Writer, cfg: config_lib.Config, flops_per_step: float, peak: float):
+    self.writer, self.cfg, self.flops_per_step, self.peak = writer, cfg, flops_per_step, peak
+    self.last_done = time.perf_counter()
+    self.step_times: list[float] = []
+    self.losses: list[float] = []
+
+  def __call__(self, step: int, metrics: dict[str, jax.Array], data_wait: float) -> None:
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    done = time.perf_counter()
+    step_time, self.last_done = done - self.last_done, done
+    self.step_times.append(step_time)
+    self.losses.append(values["loss"])
+    cfg = self.cfg
+    if step % cfg.metrics.every == 0 or step in (1, cfg.train.steps):
+      tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
+      values.update(tokens_per_sec=cfg.train.batch_size * cfg.train.seq_len / step_time, step_time_s=step_time,
+                    data_wait_s=data_wait, tflops_per_device=tflops, mfu=tflops / self.peak)
+      self.writer.write(step, values)
+
+
+def _log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> tuple[str, list[str]]:
+  parser = argparse.ArgumentParser(prog="python -m jaxseek.train", description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+  parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100 mesh.fsdp=2")
+  args = parser.parse_args(argv)
+  return args.config, args.overrides
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+  path, overrides = parse_args(argv)
+  cfg = config_lib.load(path, overrides)
+  mesh_lib.simulate_cpu_devices(cfg.mesh.num_cpu_devices)
+  run(cfg)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
