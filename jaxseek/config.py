@@ -278,6 +278,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
   if tp is float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+      try:
+        return float(value)
+      except ValueError:
+        pass
     raise UserError(f"config key {key}: expected a number, got {value!r}")
   if tp is str:
     if isinstance(value, str):
@@ -331,13 +336,12 @@ def validate(cfg: Config) -> None:
                     "yet; set it to 0")
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
-  sizes = cfg.mesh.sizes()
-  if -1 not in sizes.values():
-    check_mesh_fit(cfg, sizes)
+  check_mesh_fit(cfg, cfg.mesh.sizes())
 
 
 def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
-  """Each sharded dimension must divide evenly by the mesh axes the rules put it on."""
+  """Each sharded dimension must divide evenly by the mesh axes the rules put it on (axes still -1 are
+  skipped: the mesh builder checks again once they are known)."""
   m = cfg.model
   checks = [("model.hidden_size", m.hidden_size, ("fsdp",)), ("model.vocab_size", m.vocab_size, ("tensor",)),
             ("model.num_attention_heads", m.num_attention_heads, ("tensor",)),
@@ -348,6 +352,8 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
     checks += [("model.moe_intermediate_size", m.moe_intermediate_size, ("tensor",)),
                ("model.n_routed_experts", m.n_routed_experts, ("expert",))]
   for key, value, axes in checks:
+    if any(sizes[a] == -1 for a in axes):
+      continue
     size = 1
     for a in axes:
       size *= sizes[a]
@@ -355,7 +361,7 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
       names = " × ".join(f"mesh.{a}={sizes[a]}" for a in axes)
       raise UserError(f"config key {key}: {value} is not divisible by {names}; change the mesh or the model size")
   shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-  if (cfg.train.batch_size // cfg.train.microbatches) % shards:
+  if shards > 0 and (cfg.train.batch_size // cfg.train.microbatches) % shards:
     raise UserError(f"config key train.batch_size: {cfg.train.batch_size} sequences / {cfg.train.microbatches} "
                     f"microbatches is not divisible by the batch shards data × fsdp × expert = {shards}")
 

@@ -125,7 +125,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   biases = jax.tree.map(lambda b: update_bias(b, load_LE, cfg.optim.bias_update_rate), state.biases)
-  metrics = {"loss": ce_sum / n_tokens, "grad_norm": optax.global_norm(grads),
+  metrics = {"loss": ce_sum / n_tokens, "grad_norm": optax.tree.norm(grads),
              "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step)}
   if load_LE.size:
     metrics["balance_loss"] = balance

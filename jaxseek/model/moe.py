@@ -98,39 +98,53 @@ def experts_local(x_XD, idx_XK, weights_XK, w_gate_EDm, w_up_EDm, w_down_EmD) ->
   return jnp.zeros_like(x_XD).at[token_of].add(y_sorted)
 
 
-def dispatch(x_BTD, idx_BTK, weights_BTK, w_gate_EDM, w_up_EDM, w_down_EMD) -> jax.Array:
-  """Runs `experts_local` on every batch shard; tensor-parallel partial sums are all-reduced."""
+def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD, routing: Routing):
+  """Routing and dropless expert computation, run on every token shard inside `jax.shard_map`.
 
-  def local(x_btD, idx_btK, weights_btK, w_gate_EDm, w_up_EDm, w_down_EmD):
+  Per-token work (router, top-k, sort, grouped matmuls) stays on the shard that holds the token; only the
+  statistics cross shards: expert loads are summed over the whole batch, per-sequence balance sums over the
+  length axis, and tensor-parallel partial outputs are all-reduced.
+  Returns y [B, T, D], load [E] (tokens per expert over the global batch), balance loss per sequence [B].
+  """
+  mesh = rules.has_mesh()
+  batch_axes, length_axes = rules.mesh_axes("batch"), rules.mesh_axes("length")
+  tensor_axes = rules.mesh_axes("expert_mlp")
+  psum = lambda x, axes: jax.lax.psum(x, axes) if mesh and axes else x
+
+  def local(x_btD, valid_bt, w_router_DE, bias_E, w_gate_EDm, w_up_EDm, w_down_EmD):
     b, t, D = x_btD.shape
-    y_xD = experts_local(x_btD.reshape(b * t, D), idx_btK.reshape(b * t, -1), weights_btK.reshape(b * t, -1),
-                         w_gate_EDm, w_up_EDm, w_down_EmD)
-    y_btD = y_xD.reshape(b, t, D)
-    tensor_axes = rules.mesh_axes("expert_mlp")
-    return jax.lax.psum(y_btD, tensor_axes) if rules.has_mesh() and tensor_axes else y_btD
+    E = w_router_DE.shape[1]
+    logits_xE = jnp.einsum("xD,DE->xE", x_btD.reshape(b * t, D).astype(jnp.float32), w_router_DE)
+    idx_xK, weights_xK, scores_xE = route(logits_xE, bias_E, routing)
+    y_xD = experts_local(x_btD.reshape(b * t, D), idx_xK, weights_xK, w_gate_EDm, w_up_EDm, w_down_EmD)
+    y_btD = psum(y_xD.reshape(b, t, D), tensor_axes)
+    valid_x = valid_bt.reshape(-1).astype(jnp.float32)
+    chosen_xE = jax.nn.one_hot(idx_xK, E, dtype=jnp.float32).sum(-2) * valid_x[:, None]
+    load_E = psum(chosen_xE.sum(0), batch_axes + length_axes)
+    sums = (chosen_xE.reshape(b, t, E).sum(1),
+            (scores_xE / scores_xE.sum(-1, keepdims=True) * valid_x[:, None]).reshape(b, t, E).sum(1),
+            valid_bt.astype(jnp.float32).sum(1))
+    return y_btD, load_E, balance_loss(*psum(sums, length_axes), idx_xK.shape[-1])
 
-  if not rules.has_mesh():
-    return local(x_BTD, idx_BTK, weights_BTK, w_gate_EDM, w_up_EDM, w_down_EMD)
-  tokens = rules.activation_spec(("batch", "length", None))
+  args = (x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD)
+  if not mesh:
+    return local(*args)
+  tokens, seqs = rules.activation_spec(("batch", "length", None)), rules.activation_spec(("batch", "length"))
   w_in = rules.activation_spec((None, None, "expert_mlp"))
   w_out = rules.activation_spec((None, "expert_mlp", None))
-  return jax.shard_map(local, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out), out_specs=tokens)(
-      x_BTD, idx_BTK, weights_BTK, w_gate_EDM, w_up_EDM, w_down_EMD)
+  replicated = rules.activation_spec(())
+  return jax.shard_map(local, in_specs=(tokens, seqs, replicated, replicated, w_in, w_in, w_out),
+                       out_specs=(tokens, replicated, rules.activation_spec(("batch",))))(*args)
 
 
-def balance_loss(scores_BTE: jax.Array, idx_BTK: jax.Array, valid_BT: jax.Array) -> jax.Array:
-  """Sequence-wise balance loss (V3 eq. 17-20) per sequence [B]: Σ_e f_e · P_e.
+def balance_loss(counts_BE: jax.Array, score_sums_BE: jax.Array, tokens_B: jax.Array, k: int) -> jax.Array:
+  """Sequence-wise balance loss (V3 eq. 17-20) per sequence [B]: Σ_e f_e · P_e, from per-sequence sums.
 
   f_e = E / (K · T) · #{t: e ∈ topK(t)},  P_e = mean_t s'_{t,e} with s' the scores normalised over experts.
   """
-  E, K = scores_BTE.shape[-1], idx_BTK.shape[-1]
-  valid = valid_BT.astype(jnp.float32)
-  tokens_B = jnp.maximum(valid.sum(-1), 1.0)
-  counts_BE = (jax.nn.one_hot(idx_BTK, E, dtype=jnp.float32).sum(-2) * valid[..., None]).sum(1)
-  f_BE = counts_BE * E / (K * tokens_B[:, None])
-  s_BTE = scores_BTE / scores_BTE.sum(-1, keepdims=True)
-  p_BE = (s_BTE * valid[..., None]).sum(1) / tokens_B[:, None]
-  return (f_BE * p_BE).sum(-1)
+  E = counts_BE.shape[-1]
+  tokens_B1 = jnp.maximum(tokens_B, 1.0)[:, None]
+  return (counts_BE * E / (k * tokens_B1) * (score_sums_BE / tokens_B1)).sum(-1)
 
 
 class MoE(nnx.Module):
@@ -148,20 +162,13 @@ class MoE(nnx.Module):
     self.shared = MLP(D, M * cfg.n_shared_experts, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs) \
         if cfg.n_shared_experts else None
     self.routing = Routing.from_config(cfg)
-    self.num_experts = E
     self.dtype = dtype
 
   def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    B, T, D = x_BTD.shape
-    E = self.num_experts
-    logits_XE = jnp.einsum("XD,DE->XE", x_BTD.reshape(B * T, D).astype(jnp.float32), self.w_router_DE[...])
-    bias_E = self.bias_E[...] if self.bias_E is not None else None
-    idx_XK, weights_XK, scores_XE = route(logits_XE, bias_E, self.routing)
-    idx_BTK, weights_BTK = idx_XK.reshape(B, T, -1), weights_XK.reshape(B, T, -1)
     w = lambda p: p[...].astype(self.dtype)
-    y_BTD = dispatch(x_BTD, idx_BTK, weights_BTK, w(self.w_gate_EDM), w(self.w_up_EDM), w(self.w_down_EMD))
+    bias_E = self.bias_E[...] if self.bias_E is not None else jnp.zeros(self.w_router_DE.shape[1:], jnp.float32)
+    y_BTD, load_E, balance_B = routed_experts(x_BTD, valid_BT, self.w_router_DE[...], bias_E, w(self.w_gate_EDM),
+                                              w(self.w_up_EDM), w(self.w_down_EMD), self.routing)
     if self.shared is not None:
       y_BTD = y_BTD + self.shared(x_BTD)
-    load_E = (jax.nn.one_hot(idx_BTK, E, dtype=jnp.float32).sum(-2) * valid_BT[..., None]).sum((0, 1))
-    aux = {"load": load_E, "balance": balance_loss(scores_XE.reshape(B, T, E), idx_BTK, valid_BT)}
-    return y_BTD, aux
+    return y_BTD, {"load": load_E, "balance": balance_B}

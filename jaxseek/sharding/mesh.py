@@ -13,8 +13,14 @@ from jaxseek.errors import UserError
 
 def simulate_cpu_devices(n: int | None) -> None:
   """Asks XLA:CPU for `n` devices; must run before the JAX backend starts (first array or device query)."""
-  if n:
+  if not n:
+    return
+  try:
     jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # the backend already started (a library or test touched JAX first)
+    if jax.devices()[0].platform == "cpu" and jax.device_count() != n:
+      raise UserError(f"mesh.num_cpu_devices={n} cannot take effect: JAX already started with "
+                      f"{jax.device_count()} devices; set it before any JAX computation") from None
 
 
 def resolve_sizes(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:

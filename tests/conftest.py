@@ -1,0 +1,37 @@
+"""Every test sees 8 simulated CPU devices; tiny configs come from configs/."""
+
+import os
+from pathlib import Path
+
+# Tests compile many small programs: XLA:CPU's backend optimisations cost more time than they save here.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+
+import pytest  # noqa: E402
+
+from jaxseek import config as config_lib  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def load_config(name: str, *overrides: str) -> config_lib.Config:
+  return config_lib.load(CONFIGS / f"{name}.yaml", list(overrides))
+
+
+@pytest.fixture
+def tiny_v3() -> config_lib.Config:
+  return load_config("tiny-v3")
+
+
+@pytest.fixture
+def run_env() -> dict[str, str]:
+  """Environment for subprocesses running jaxseek (this checkout first on the path)."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  env["JAX_PLATFORMS"] = "cpu"
+  return env

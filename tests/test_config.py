@@ -1,0 +1,77 @@
+"""Config loading, overrides and the one-line errors for bad input."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIGS, ROOT, load_config
+from jaxseek import config as config_lib
+from jaxseek.errors import UserError
+from jaxseek.train import main
+
+
+def test_overrides_are_typed_and_applied():
+  cfg = load_config("tiny-v3", "train.steps=7", "optim.lr=1e-3", "mesh.fsdp=2", "model.rope_scaling=null")
+  assert cfg.train.steps == 7 and cfg.optim.lr == 1e-3 and cfg.mesh.fsdp == 2
+  assert cfg.model.rope_scaling is None
+  assert isinstance(cfg.optim.lr, float)
+
+
+def test_resolved_config_round_trips(tmp_path):
+  cfg = load_config("tiny-v3", "train.seq_len=20")
+  config_lib.dump(cfg, tmp_path / "config.yaml")
+  assert config_lib.load(tmp_path / "config.yaml") == cfg
+
+
+def test_hugging_face_key_names_are_the_model_fields():
+  hf = {"hidden_size": 7168, "num_hidden_layers": 61, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc"}
+  cfg = config_lib.from_dict({"model": hf})
+  assert all(getattr(cfg.model, k) == v for k, v in hf.items())
+
+
+BAD_INPUT = [
+    (["train.stepz=5"], "unknown config key train.stepz", "valid keys in train"),
+    (["train.steps=abc"], "config key train.steps: expected an integer", "'abc'"),
+    (["trian.steps=5"], "unknown config section 'trian'", "valid sections"),
+    (["train.steps=0"], "config key train.steps", "positive"),
+    (["model.topk_method=best"], "config key model.topk_method", "'noaux_tc'"),
+    (["mesh.data=4", "mesh.num_cpu_devices=8"], "needs 4 devices but 8 are available", "mesh.data=-1"),
+    (["mesh.tensor=8"], "config key model.num_attention_heads: 4 is not divisible by mesh.tensor=8", "change"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "at most one mesh axis may be -1", "explicit"),
+    (["train.microbatches=3"], "config key train.microbatches: 3 must divide train.batch_size=16", ""),
+    (["model.n_group=3"], "config key model.n_group: 3 must divide model.n_routed_experts=8", ""),
+]
+
+
+@pytest.mark.parametrize("overrides,message,hint", BAD_INPUT, ids=[b[1][:40] for b in BAD_INPUT])
+def test_bad_input_is_one_line_with_exit_status_2(overrides, message, hint, capsys, tmp_path):
+  status = main(["--config", str(CONFIGS / "tiny-v3.yaml"), f"train.run_dir={tmp_path}/run", *overrides])
+  err = capsys.readouterr().err
+  assert status == 2
+  assert err.count("\n") == 1 and err.startswith("error: "), err
+  assert message in err and hint in err, err
+  assert "Traceback" not in err
+  assert not (tmp_path / "run").exists()  # nothing written before the input is known good
+
+
+def test_missing_and_malformed_config_files(tmp_path, capsys):
+  assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
+  assert "config file" in capsys.readouterr().err
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("train: {steps: 3\n")
+  assert main(["--config", str(bad)]) == 2
+  assert "is not valid YAML" in capsys.readouterr().err
+  with pytest.raises(UserError, match="section.key=value"):
+    config_lib.load(None, ["steps=3"])
+
+
+def test_command_line_exit_status(run_env, tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"),
+                         "mesh.tensor=8"], capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "error: config key model.num_attention_heads: 4 is not divisible by mesh.tensor=8; change the mesh or the "
+      "model size"]
