@@ -53,6 +53,11 @@ class ModelConfig:
   norm_topk_prob: bool = False
   routed_scaling_factor: float = 1.0
   aux_loss_alpha: float = 0.0
+  # Expert-parallel dispatch (jaxseek's own keys): buffer capacity as a multiple of the balanced load
+  # (None = dropless, the worst-case buffer), and device-limited routing (None = a token may reach every
+  # expert-axis shard).
+  moe_capacity_factor: float | None = None
+  moe_max_expert_shards: int | None = None
   # Position encoding.
   max_position_embeddings: int = 4096
   rope_theta: float = 10000.0

@@ -79,7 +79,7 @@ class Writer:
   def __init__(self, run_dir: Path, total_steps: int):
     self.enabled = jax.process_index() == 0
     self.total_steps = total_steps
-    self.start = time.perf_counter()
+    self.first: tuple[int, float] | None = None  # (step, time) of the first write: ETA excludes compilation
     self.file = open(run_dir / "metrics.jsonl", "a") if self.enabled else None
 
   def write(self, step: int, values: dict[str, float]) -> None:
@@ -88,8 +88,11 @@ class Writer:
     record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
     self.file.write(json.dumps(record) + "\n")
     self.file.flush()
-    elapsed = time.perf_counter() - self.start
-    eta = elapsed / max(step, 1) * (self.total_steps - step)
+    now = time.perf_counter()
+    if self.first is None:
+      self.first = (step, now)
+    done_steps = step - self.first[0]
+    eta = (now - self.first[1]) / done_steps * (self.total_steps - step) if done_steps else float("nan")
     line = (f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"grad {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | "
             f"mfu {100 * record['mfu']:.1f}% | eta {_hms(eta)}")
@@ -106,5 +109,7 @@ def _plain(v):
 
 
 def _hms(seconds: float) -> str:
+  if math.isnan(seconds):
+    return "-"
   seconds = int(seconds)
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

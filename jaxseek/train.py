@@ -100,7 +100,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
 
   def loss_fn(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
-    logits_BTV, aux = model.forward(mb["inputs"])
+    logits_BTV, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"))
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, mb["targets"])
     ce_sum = (ce_BT * mb["loss_mask"]).sum()
     balance = aux["balance"].mean(-1).sum() if "balance" in aux else jnp.zeros(())
