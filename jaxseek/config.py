@@ -65,7 +65,7 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   initializer_range: float = 0.02
-  # Multi-token prediction depth (V3); its training is not built yet, so only 0 is accepted.
+  # Multi-token prediction depth (V3: 1): extra modules predicting token i+1+k from position i.
   num_nextn_predict_layers: int = 0
 
   @property
@@ -149,6 +149,7 @@ class TrainConfig:
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "full"] = "none"
+  mtp_loss_weight: float = 0.3  # λ: loss = main CE + λ / depth · Σ_k MTP CE_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,9 +337,11 @@ def validate(cfg: Config) -> None:
       raise UserError(f"config key model.topk_group: {m.topk_group} exceeds model.n_group={m.n_group}")
     if m.topk_method == "noaux_tc" and m.scoring_func != "sigmoid":
       raise UserError("config key model.topk_method: noaux_tc needs model.scoring_func=sigmoid")
-  if m.num_nextn_predict_layers:
-    raise UserError("config key model.num_nextn_predict_layers: multi-token prediction training is not available "
-                    "yet; set it to 0")
+  if m.num_nextn_predict_layers < 0:
+    raise UserError(f"config key model.num_nextn_predict_layers: {m.num_nextn_predict_layers} must be ≥ 0")
+  if m.num_nextn_predict_layers >= t.seq_len:
+    raise UserError(f"config key model.num_nextn_predict_layers: {m.num_nextn_predict_layers} must be below "
+                    f"train.seq_len={t.seq_len}")
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
   check_mesh_fit(cfg, cfg.mesh.sizes())

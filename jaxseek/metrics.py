@@ -38,10 +38,10 @@ def flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
     if "experts" in names:
       size *= m.num_experts_per_tok / m.n_routed_experts
     active += size
-  if m.tie_word_embeddings:
-    active += m.vocab_size * m.hidden_size
+  depth = m.num_nextn_predict_layers
+  active += (int(m.tie_word_embeddings) + depth) * m.vocab_size * m.hidden_size  # the head, once per MTP depth too
   qk, v = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.is_mla else (m.dense_head_dim,) * 2
-  attention = m.num_hidden_layers * 2 * m.num_attention_heads * (qk + v) * (cfg.train.seq_len + 1) / 2
+  attention = (m.num_hidden_layers + depth) * 2 * m.num_attention_heads * (qk + v) * (cfg.train.seq_len + 1) / 2
   return 3 * (2 * active + attention)
 
 

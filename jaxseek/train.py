@@ -25,6 +25,7 @@ from jaxseek import metrics as metrics_lib
 from jaxseek import model as model_lib
 from jaxseek import optim
 from jaxseek.errors import UserError, cli
+from jaxseek.model.transformer import shift_left
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding.rules import param_spec, shard
 
@@ -88,50 +89,83 @@ def _split_microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Ar
   return {k: jnp.swapaxes(v.reshape(v.shape[0] // n, n, *v.shape[1:]), 0, 1) for k, v in batch.items()}
 
 
+def mtp_mask(batch: dict[str, jax.Array], k: int) -> jax.Array:
+  """Where depth k's target t_{i+k+1} exists: the main target at i+k counts and i+k is in i's document."""
+  mask_BT = shift_left(batch["loss_mask"], k)
+  if "segment_ids" in batch:
+    mask_BT = mask_BT * (shift_left(batch["segment_ids"], k, fill=-1) == batch["segment_ids"])
+  return mask_BT
+
+
 def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimiser step over the global batch, accumulated over `train.microbatches`.
 
-  objective = Σ token CE / Σ loss_mask + aux_loss_alpha · mean-over-microbatches(Σ_layers balance loss).
+  objective = CE + λ/depth · Σ_k CE_k (multi-token prediction) + aux_loss_alpha · Σ_layers balance loss,
+  each CE a sum over the whole batch divided by its token count, so accumulation gives the full-batch gradient.
   """
   n_micro = cfg.train.microbatches
+  depth = cfg.model.num_nextn_predict_layers
   n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-  alpha = cfg.model.aux_loss_alpha
+  n_mtp = [jnp.maximum(mtp_mask(batch, k).sum(), 1.0) for k in range(1, depth + 1)]
+  alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
 
   def loss_fn(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
     logits_BTV, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"))
-    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, mb["targets"])
-    ce_sum = (ce_BT * mb["loss_mask"]).sum()
-    balance = aux["balance"].mean(-1).sum() if "balance" in aux else jnp.zeros(())
-    load_LE = aux.get("load", jnp.zeros((0,)))
-    return ce_sum / n_tokens + alpha * balance / n_micro, (ce_sum, balance, load_LE)
+    ce_sum = _ce_sum(logits_BTV, mb["targets"], mb["loss_mask"])
+    mtp_sums = jnp.stack([_ce_sum(aux["mtp_logits"][k - 1], shift_left(mb["targets"], k), mtp_mask(mb, k))
+                          for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
+    balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
+    loads = {name: aux[name] for name in ("load", "mtp_load") if name in aux}
+    objective = ce_sum / n_tokens + alpha * balance / n_micro
+    if depth:
+      objective += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
+    return objective, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if n_micro == 1:
-    (_, (ce_sum, balance, load_LE)), grads = grad_fn(state.params, batch)
+    (_, (ce_sum, mtp_sums, balance, loads)), grads = grad_fn(state.params, batch)
   else:
     def accumulate(carry, mb):
       mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
       (_, aux), g = grad_fn(state.params, mb)
       return jax.tree.map(jnp.add, carry, (g, *aux)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    (_, aux0), _ = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch))
-    init = (zeros, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0))
-    (grads, ce_sum, balance, load_LE), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, n_micro))
+    first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
+    (_, aux_shapes), _ = jax.eval_shape(grad_fn, state.params, first)
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (state.params, *aux_shapes))
+    (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, n_micro))
     balance = balance / n_micro
 
   updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  biases = jax.tree.map(lambda b: update_bias(b, load_LE, cfg.optim.bias_update_rate), state.biases)
+  biases = update_biases(state.biases, loads, cfg.optim.bias_update_rate)
   metrics = {"loss": ce_sum / n_tokens, "grad_norm": optax.tree.norm(grads),
              "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step)}
-  if load_LE.size:
+  if depth:
+    metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
+  if "load" in loads:
+    load_LE = loads["load"]
     metrics["balance_loss"] = balance
     metrics["moe_load_max_over_mean"] = (load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)).mean()
   new_state = TrainState(step=state.step + 1, params=params, biases=biases, opt_state=opt_state)
   return new_state, metrics
+
+
+def _ce_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  return (optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT) * mask_BT).sum()
+
+
+def update_biases(biases: nnx.State, loads: dict[str, jax.Array], rate: float) -> nnx.State:
+  """Applies `update_bias` to every MoE correction bias with its own layer's global-batch loads."""
+
+  def one(path, bias):
+    if path[0].key == "mtp_layers":
+      return update_bias(bias, loads["mtp_load"][path[1].key], rate)
+    return update_bias(bias, loads["load"], rate)
+
+  return jax.tree_util.tree_map_with_path(one, biases)
 
 
 def update_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:

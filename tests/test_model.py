@@ -132,13 +132,23 @@ PUBLISHED = {  # total parameters (billions), ../MODELS.md; V3 without its 14B M
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_parameter_count_of_real_configs(name):
   cfg = config_lib.load(CONFIGS / f"{name}.yaml")
-  count = model_lib.count_params(cfg.model) / 1e9
+  count = model_lib.count_params(dataclasses.replace(cfg.model, num_nextn_predict_layers=0)) / 1e9
   assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.005, count
+
+
+def test_v3_multi_token_prediction_module_size():
+  """The released V3 checkpoint holds 685B: 671B main model + the MTP module, which stores its own copies of the
+  0.93B embedding and head (jaxseek shares the main model's)."""
+  m = config_lib.load(CONFIGS / "deepseek-v3-671b.yaml").model
+  assert m.num_nextn_predict_layers == 1
+  mtp = model_lib.count_params(m) - model_lib.count_params(dataclasses.replace(m, num_nextn_predict_layers=0))
+  released = model_lib.count_params(m) + 2 * m.vocab_size * m.hidden_size
+  assert abs(released / 1e9 - 685.0) < 1.0 and 11 < mtp / 1e9 < 12.5, (released / 1e9, mtp / 1e9)
 
 
 def test_active_parameters_of_v3():
   """37B active per token: everything but the routed experts, plus 8 of 256 of them."""
-  m = config_lib.load(CONFIGS / "deepseek-v3-671b.yaml").model
+  m = dataclasses.replace(config_lib.load(CONFIGS / "deepseek-v3-671b.yaml").model, num_nextn_predict_layers=0)
   total = model_lib.count_params(m)
   routed = m.num_moe_layers * m.n_routed_experts * 3 * m.hidden_size * m.moe_intermediate_size
   active = total - routed * (1 - m.num_experts_per_tok / m.n_routed_experts) - m.vocab_size * m.hidden_size

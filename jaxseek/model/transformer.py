@@ -67,6 +67,36 @@ class Stack(nnx.Module):
     return jax.lax.scan(body, x_BTD, state)
 
 
+class MTPLayer(nnx.Module):
+  """One multi-token-prediction depth k (DeepSeek-V3 §2.2).
+
+  h'_i = W_e · enorm(Emb(t_{i+k})) + W_h · hnorm(h_i^{k-1})   (eh_proj on the concatenation, split in two)
+  h_i^k = norm(Block(h'_i)),  logits_i^k = Head(h_i^k) predicts t_{i+k+1}; Emb and Head are the main model's.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+    D, eps, std = cfg.hidden_size, cfg.rms_norm_eps, cfg.initializer_range
+    self.enorm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
+    self.hnorm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
+    self.w_e_DD = param(rngs, (D, D), ("embed", None), param_dtype, std)
+    self.w_h_DD = param(rngs, (D, D), ("embed", None), param_dtype, std)
+    self.block = Block(cfg, cfg.is_moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+    self.norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
+    self.dtype = dtype
+
+  def __call__(self, emb_BTD, h_BTD, positions_BT, segment_ids_BT, valid_BT):
+    w = lambda p: p[...].astype(self.dtype)
+    x_BTD = (jnp.einsum("BTD,DE->BTE", self.enorm(emb_BTD), w(self.w_e_DD))
+             + jnp.einsum("BTD,DE->BTE", self.hnorm(h_BTD), w(self.w_h_DD)))
+    x_BTD, aux = self.block(shard(x_BTD, ACT_BTD), positions_BT, segment_ids_BT, valid_BT)
+    return self.norm(x_BTD), aux
+
+
+def shift_left(x_BT: jax.Array, k: int, fill=0) -> jax.Array:
+  """x[:, i + k] at position i; the last k positions get `fill`."""
+  return jnp.concatenate([x_BT[:, k:], jnp.full((x_BT.shape[0], k), fill, x_BT.dtype)], axis=1)
+
+
 class Transformer(nnx.Module):
   """The DeepSeek language model: embedding, dense stack, MoE stack, final norm, head."""
 
@@ -79,11 +109,20 @@ class Transformer(nnx.Module):
     self.moe_layers = Stack(cfg, cfg.num_moe_layers, True, **kw) if cfg.num_moe_layers else None
     self.final_norm = RMSNorm(D, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.head_DV = None if cfg.tie_word_embeddings else param(rngs, (D, V), ("embed", "vocab"), param_dtype, std)
+    self.mtp_layers = nnx.List([MTPLayer(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_nextn_predict_layers)])
     self.dtype = dtype
+
+  def _logits(self, h_BTD: jax.Array) -> jax.Array:
+    head_DV = self.embed.table_VD[...].T if self.head_DV is None else self.head_DV[...]
+    logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, head_DV.astype(self.dtype), preferred_element_type=jnp.float32)
+    return shard(logits_BTV, ("batch", "length", "vocab"))
 
   def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
               segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Returns float32 logits [B, T, V] and aux: hidden [B, T, D], per-MoE-layer `load` [L, E], `balance` [L, B].
+    """Returns float32 logits [B, T, V] and aux: hidden [B, T, D], per-MoE-layer `load` [L, E], `balance` [L, B],
+    and with multi-token prediction `mtp_logits` [depth, B, T, V] (depth k at position i predicts t_{i+k+1}),
+    `mtp_load` [depth, E], `mtp_balance` [depth, B].
 
     `segment_ids` > 0 label packed documents (attention stays inside one); 0 marks padding.
     """
@@ -99,9 +138,17 @@ class Transformer(nnx.Module):
         aux.update(layer_aux)
     h_BTD = self.final_norm(x_BTD)
     aux["hidden"] = h_BTD
-    head_DV = self.embed.table_VD[...].T if self.head_DV is None else self.head_DV[...]
-    logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, head_DV.astype(self.dtype), preferred_element_type=jnp.float32)
-    return shard(logits_BTV, ("batch", "length", "vocab")), aux
+    mtp = [], [], []
+    for k, layer in enumerate(self.mtp_layers, start=1):
+      h_BTD, layer_aux = layer(self.embed(shift_left(tokens_BT, k)), h_BTD, positions_BT, segment_ids_BT, valid_BT)
+      mtp[0].append(self._logits(h_BTD))
+      if layer_aux:
+        mtp[1].append(layer_aux["load"])
+        mtp[2].append(layer_aux["balance"])
+    for name, values in zip(("mtp_logits", "mtp_load", "mtp_balance"), mtp):
+      if values:
+        aux[name] = jnp.stack(values)
+    return self._logits(aux["hidden"]), aux
 
   def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None) -> jax.Array:
