@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m jaxseek.train --config configs/demo.yaml
 
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

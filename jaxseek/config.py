@@ -103,19 +103,54 @@ class MeshConfig:
   expert: int = 1
   context: int = 1
   tensor: int = 1
-  num_cpu_devices: int | None = None
+  num_cpu_devices: int | None = None  # simulated CPU devices per process (machines without an accelerator)
+  allow_cross_host: bool = False  # let expert / tensor groups span processes (slow links); refused by default
 
   def sizes(self) -> dict[str, int]:
     return {a: getattr(self, a) for a in MESH_AXES}
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """Input: `synthetic` (seeded random tokens), `python-stdlib` (this Python's own sources, byte-level)."""
+class DistConfig:
+  """Multi-process start-up. Unset fields come from JAXSEEK_COORDINATOR / JAXSEEK_NUM_PROCESSES /
+  JAXSEEK_PROCESS_ID, else SLURM or Open MPI are detected; a single process skips initialisation."""
 
-  source: str = "synthetic"
-  max_bytes: int = 8_000_000
+  coordinator: str | None = None  # host:port of process 0
+  num_processes: int | None = None
+  process_id: int | None = None
+  process_per: Literal["device", "node"] = "device"  # node: one process sees all of its node's GPUs
+  init_timeout_s: int = 300
+  heartbeat_timeout_s: int = 100  # a process silent this long is declared dead by the coordinator
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Input: `synthetic` (seeded random tokens), `python-stdlib` (this Python's own sources, byte-level), a folder
+  written by scripts/prepare_data.py, or a list of such folders mixed by `weights` (see docs/data.md)."""
+
+  source: str | tuple[str, ...] = "synthetic"
+  weights: tuple[float, ...] = ()  # one per entry of a source list: shares of packed sequences; () = equal
+  max_bytes: int = 8_000_000  # python-stdlib: corpus size
   seed: int = 0
+  pack_bins: int = 16  # sequences filled together by first-fit packing: more bins, less padding
+  prefetch: int = 2  # local batches prepared ahead in the background (0: on demand)
+  worker_count: int = 0  # grain worker processes (0: one background thread in this process)
+  verify_checksums: bool = True  # hash each shard against manifest.json when the pipeline starts
+
+  def __post_init__(self):
+    names = (self.source,) if isinstance(self.source, str) else self.source
+    if not names:
+      raise UserError("config key data.source: the list is empty; name at least one prepared folder")
+    if len(names) > 1 and "synthetic" in names:
+      raise UserError("config key data.source: synthetic cannot be mixed; use it alone or list only folders")
+    if self.weights and len(self.weights) != len(names):
+      raise UserError(f"config key data.weights: {len(self.weights)} weights for {len(names)} sources; "
+                      f"give one weight per entry of data.source")
+    if any(w <= 0 for w in self.weights):
+      raise UserError(f"config key data.weights: {list(self.weights)} must all be positive")
+    for key, low in (("pack_bins", 1), ("prefetch", 0), ("worker_count", 0)):
+      if getattr(self, key) < low:
+        raise UserError(f"config key data.{key}: {getattr(self, key)} must be ≥ {low}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,14 +185,22 @@ class TrainConfig:
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "full"] = "none"
   mtp_loss_weight: float = 0.3  # λ: loss = main CE + λ / depth · Σ_k MTP CE_k
+  on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient never reaches the parameters
+  spike_sigma: float | None = None  # skip steps whose loss exceeds the window mean by this many std devs
+  spike_window: int = 32
+  step_timeout_s: float | None = None  # hang watchdog: exit non-zero when a step takes longer than this
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Orbax checkpoints (every N steps, keep the latest K)."""
+  """Orbax checkpoints in <train.run_dir>/checkpoints: every N steps and at the end, keep the latest K."""
 
-  every: int = 0
+  every: int = 0  # 0: only at the end (and on pre-emption)
   keep: int = 3
+  keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, permanently (0: none)
+  async_save: bool = True  # training goes on while a save is written
+  load_from: str | None = None  # another run's folder or checkpoint to start from (when run_dir has none)
+  load_mode: Literal["params", "full"] = "params"  # load_from: parameters (fine-tuning) or the whole state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +215,7 @@ class MetricsConfig:
 class Config:
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
+  dist: DistConfig = DistConfig()
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   train: TrainConfig = TrainConfig()
@@ -298,6 +342,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if isinstance(value, dict):
       return value
     raise UserError(f"config key {key}: expected a mapping, got {value!r}")
+  if origin is tuple:  # tuple[X, ...]: a YAML list
+    if isinstance(value, (list, tuple)):
+      item = typing.get_args(tp)[0]
+      return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    raise UserError(f"config key {key}: expected a list, got {value!r}")
   raise TypeError(f"unsupported config annotation {tp} for {key}")
 
 
@@ -342,6 +391,11 @@ def validate(cfg: Config) -> None:
   if m.num_nextn_predict_layers >= t.seq_len:
     raise UserError(f"config key model.num_nextn_predict_layers: {m.num_nextn_predict_layers} must be below "
                     f"train.seq_len={t.seq_len}")
+  if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
+    raise UserError(f"config key model.moe_capacity_factor: {m.moe_capacity_factor} must be > 0, or null for "
+                    f"dropless dispatch")
+  if m.moe_max_expert_shards is not None and m.moe_max_expert_shards < 1:
+    raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} must be ≥ 1, or null")
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
   check_mesh_fit(cfg, cfg.mesh.sizes())

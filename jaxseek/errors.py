@@ -8,7 +8,11 @@ from typing import Callable
 
 
 class UserError(Exception):
-  """A problem the user can fix: bad config, missing file, mesh that does not fit the devices."""
+  """A problem the user can fix: bad config, missing file, mesh that does not fit the devices (exit status 2)."""
+
+
+class RunStopped(Exception):
+  """Training stopped itself on purpose (a non-finite loss, a hung step): one line, exit status 1."""
 
 
 def cli(main: Callable[..., int | None]) -> Callable[..., int]:
@@ -21,5 +25,8 @@ def cli(main: Callable[..., int | None]) -> Callable[..., int]:
     except UserError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
+    except RunStopped as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
 
   return wrapped

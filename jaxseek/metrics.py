@@ -93,9 +93,14 @@ class Writer:
       self.first = (step, now)
     done_steps = step - self.first[0]
     eta = (now - self.first[1]) / done_steps * (self.total_steps - step) if done_steps else float("nan")
-    line = (f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | "
-            f"mfu {100 * record['mfu']:.1f}% | eta {_hms(eta)}")
+    parts = [f"step {step:>6}/{self.total_steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}",
+             f"grad {record['grad_norm']:.3f}"]
+    if "tokens_per_sec" in record:
+      parts += [f"{record['tokens_per_sec']:,.0f} tok/s", f"mfu {100 * record['mfu']:.1f}%"]
+    if record.get("skipped"):
+      parts.append("SKIPPED" + (" (non-finite)" if record.get("nonfinite") else " (loss spike)"))
+    parts.append(f"eta {_hms(eta)}")
+    line = " | ".join(parts)
     print(line, file=sys.stdout, flush=True)
 
   def close(self) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +26,9 @@ from jaxseek import input as input_lib
 from jaxseek import metrics as metrics_lib
 from jaxseek import model as model_lib
 from jaxseek import optim
-from jaxseek.errors import UserError, cli
+from jaxseek import checkpoint as checkpoint_lib
+from jaxseek import faults
+from jaxseek.errors import RunStopped, UserError, cli
 from jaxseek.model.transformer import shift_left
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding.rules import param_spec, shard
@@ -36,6 +40,7 @@ class TrainState:
   params: nnx.State  # trained by the optimiser
   biases: nnx.State  # MoE correction biases: updated from expert loads, never by the optimiser
   opt_state: Any
+  loss_window: jax.Array  # the last train.spike_window accepted losses (NaN until filled), for spike skipping
 
 
 @flax.struct.dataclass
@@ -46,6 +51,7 @@ class Trainer:
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
   state_shardings: Any = flax.struct.field(pytree_node=False)
   abstract_state: Any = flax.struct.field(pytree_node=False)
+  init: Callable[[], TrainState] = flax.struct.field(pytree_node=False)  # jitted, returns the sharded state
 
 
 def _is_variable(x) -> bool:
@@ -61,8 +67,9 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
       abstract_state, is_leaf=_is_variable)
 
 
-def init_state(cfg: config_lib.Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
-  """eval_shape → shardings → jit(init, out_shardings): the full model never exists unsharded on one device."""
+def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
+  """eval_shape → shardings → jit(init, out_shardings): nothing is allocated until `trainer.init()`, and then the
+  full model never exists unsharded on one device."""
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
@@ -74,13 +81,25 @@ def init_state(cfg: config_lib.Config, mesh: Mesh) -> tuple[Trainer, TrainState]
 
   def init() -> TrainState:
     _, params, biases = nnx.split(create(), nnx.Param, ...)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params),
+                      loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32))
 
   with jax.set_mesh(mesh):
     abstract_state = jax.eval_shape(init)
     shardings = state_shardings(abstract_state, mesh)
-    state = jax.jit(init, out_shardings=shardings)()
-  return Trainer(graphdef, tx, shardings, abstract_state), state
+  jitted = jax.jit(init, out_shardings=shardings)
+
+  def init_on_mesh() -> TrainState:
+    with jax.set_mesh(mesh):
+      return jitted()
+
+  return Trainer(graphdef, tx, shardings, abstract_state, init_on_mesh)
+
+
+def init_state(cfg: config_lib.Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
+  """The trainer and a freshly initialised, sharded train state."""
+  trainer = make_trainer(cfg, mesh)
+  return trainer, trainer.init()
 
 
 def _split_microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
@@ -117,7 +136,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     mtp_sums = jnp.stack([_ce_sum(aux["mtp_logits"][k - 1], shift_left(mb["targets"], k), mtp_mask(mb, k))
                           for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
     balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
-    loads = {name: aux[name] for name in ("load", "mtp_load") if name in aux}
+    loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
     objective = ce_sum / n_tokens + alpha * balance / n_micro
     if depth:
       objective += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
@@ -141,16 +160,36 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   biases = update_biases(state.biases, loads, cfg.optim.bias_update_rate)
-  metrics = {"loss": ce_sum / n_tokens, "grad_norm": optax.tree.norm(grads),
-             "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step)}
+  loss, grad_norm = ce_sum / n_tokens, optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  accept = finite & ~is_spike(loss, state.loss_window, cfg.train.spike_sigma)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
+             "nonfinite": (~finite).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
   if depth:
     metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
   if "load" in loads:
     load_LE = loads["load"]
+    max_over_mean_L = load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)
     metrics["balance_loss"] = balance
-    metrics["moe_load_max_over_mean"] = (load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)).mean()
-  new_state = TrainState(step=state.step + 1, params=params, biases=biases, opt_state=opt_state)
+    metrics["moe_load_max_over_mean"] = max_over_mean_L.mean()
+    metrics["moe_load_max_over_mean_worst"] = max_over_mean_L.max()
+    metrics["moe_dropped_fraction"] = loads["dropped"].sum() / jnp.maximum(load_LE.sum(), 1.0)
+  if jax.tree.leaves(biases):
+    metrics["moe_bias_range"] = jnp.stack([(b.max(-1) - b.min(-1)).max() for b in jax.tree.leaves(biases)]).max()
+  # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
+  window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
+  new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
+                         opt_state=keep(opt_state, state.opt_state), loss_window=window)
   return new_state, metrics
+
+
+def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:
+  """loss > mean + sigma · std of a full window of recent accepted losses (never while the window fills)."""
+  if sigma is None:
+    return jnp.zeros((), bool)
+  full = ~jnp.isnan(window).any()
+  return full & (loss > jnp.nanmean(window) + sigma * jnp.nanstd(window))
 
 
 def _ce_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
@@ -161,7 +200,7 @@ def update_biases(biases: nnx.State, loads: dict[str, jax.Array], rate: float) -
   """Applies `update_bias` to every MoE correction bias with its own layer's global-batch loads."""
 
   def one(path, bias):
-    if path[0].key == "mtp_layers":
+    if path[0].key == "mtp_layers":  # MTP blocks: loads per depth
       return update_bias(bias, loads["mtp_load"][path[1].key], rate)
     return update_bias(bias, loads["load"], rate)
 
@@ -191,37 +230,102 @@ def prepare_run_dir(cfg: config_lib.Config) -> Path:
   return run_dir
 
 
+def restore_or_init(cfg: config_lib.Config, trainer: Trainer, ckpt: checkpoint_lib.Checkpointer,
+                    batches: input_lib.GlobalBatches) -> TrainState:
+  """Resumes from the run's latest complete checkpoint, else starts from `checkpoint.load_from`, else fresh."""
+  step = ckpt.latest_step()
+  if step is not None:
+    state = ckpt.restore(step, trainer.abstract_state, trainer.state_shardings, batches.iterator)
+    _log(f"resumed from step {step} ({ckpt.directory / str(step)})")
+    return state
+  if cfg.checkpoint.load_from is None:
+    return trainer.init()
+  source = Path(cfg.checkpoint.load_from)
+  if not source.exists():
+    raise UserError(f"checkpoint.load_from={source} does not exist; give a run directory or its checkpoints folder")
+  other = checkpoint_lib.Checkpointer(cfg, source, read_only=True)
+  step = other.latest_step()
+  if step is None:
+    raise UserError(f"checkpoint.load_from={source} holds no complete checkpoint")
+  if cfg.checkpoint.load_mode == "full":
+    state = other.restore(step, trainer.abstract_state, trainer.state_shardings, None)
+  else:
+    state = trainer.init().replace(**other.restore(step, trainer.abstract_state, trainer.state_shardings, None,
+                                                   params_only=True))
+  _log(f"loaded {cfg.checkpoint.load_mode} from {other.directory / str(step)}")
+  other.close()
+  return state
+
+
 def run(cfg: config_lib.Config) -> dict[str, float]:
-  """mesh → run directory → state → data → loop. Returns the summary (first/last loss, tokens/s)."""
+  """mesh → run directory → state (restored or new) → data → loop. Returns the summary."""
   mesh = mesh_lib.make_mesh(cfg)
+  print(mesh_lib.startup_line(mesh), flush=True)
   run_dir = prepare_run_dir(cfg)
-  trainer, state = init_state(cfg, mesh)
+  trainer = make_trainer(cfg, mesh)
+  batches = input_lib.GlobalBatches(cfg, mesh)
+  ckpt = checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
+  state = restore_or_init(cfg, trainer, ckpt, batches)
+  start = int(state.step)
   step_fn = compile_step(trainer, cfg, mesh)
-  batches = input_lib.global_batches(cfg, mesh)
-  tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
-  flops_per_step = metrics_lib.flops_per_token(cfg, trainer.abstract_state.params) * tokens_per_step
+  flops_per_step = metrics_lib.flops_per_token(cfg, trainer.abstract_state.params) * cfg.train.batch_size \
+      * cfg.train.seq_len
   peak, peak_source = metrics_lib.peak_tflops_per_device(cfg.metrics.peak_tflops)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
   reporter = _Reporter(metrics_lib.Writer(run_dir, cfg.train.steps), cfg, flops_per_step, peak)
+  preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
+  try:
+    with jax.set_mesh(mesh):
+      state, stopped = _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog)
+  finally:
+    watchdog.stop()
+    preemption.restore()
+    ckpt.close()
+    reporter.writer.close()
+    batches.close()
+  return _summary(cfg, reporter, start, stopped, run_dir)
+
+
+def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog):
+  """Steps start+1 … train.steps; saves on schedule, at the end and on pre-emption. Returns (state, stopped)."""
   pending = None
-  with jax.set_mesh(mesh):
-    for step in range(1, cfg.train.steps + 1):
-      data_start = time.perf_counter()
-      batch = next(batches)
-      data_wait = time.perf_counter() - data_start
-      state, metrics = step_fn(state, batch)
-      if pending is not None:  # read one step late: the device is already busy with this step
-        reporter(*pending)
-      pending = (step, metrics, data_wait)
+  for step in range(start + 1, cfg.train.steps + 1):
+    data_start = time.perf_counter()
+    batch = next(batches)
+    data_wait = time.perf_counter() - data_start
+    state, metrics = step_fn(state, batch)
+    if pending is not None:  # read one step late: the device is already busy with this step
+      reporter(*pending)
+      watchdog.beat(pending[0])
+    preempted = preemption.requested(step)
+    extra = {}
+    if preempted or step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+      extra["ckpt_block_s"] = ckpt.save(step, state, batches.iterator)
+    pending = (step, metrics, data_wait, extra)
+    if preempted:
+      reporter(*pending)
+      ckpt.wait()
+      _log(f"pre-empted ({preemption.signal_name or 'sync point'}): saved step {step}; "
+           f"run the same command again to resume")
+      return state, "preempted"
+  if pending is not None:
     reporter(*pending)
-  reporter.writer.close()
+  return state, None
+
+
+def _summary(cfg, reporter, start, stopped, run_dir) -> dict[str, float]:
+  if not reporter.losses:
+    _log(f"nothing to do: the run in {run_dir} already reached step {start} of {cfg.train.steps}")
+    return {"steps": 0, "first_loss": float("nan"), "last_loss": float("nan"), "tokens_per_sec": 0.0}
   steady = reporter.step_times[1:] or reporter.step_times  # the first step includes compilation
-  summary = {"first_loss": reporter.losses[0], "last_loss": reporter.losses[-1], "steps": cfg.train.steps,
-             "tokens_per_sec": tokens_per_step * len(steady) / sum(steady)}
-  _log(f"done: loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f} over {cfg.train.steps} steps | "
-       f"{summary['tokens_per_sec']:,.0f} tokens/s (after the first step, which compiles) | run dir {run_dir}")
+  summary = {"first_loss": reporter.losses[0], "last_loss": reporter.losses[-1], "steps": len(reporter.losses),
+             "tokens_per_sec": cfg.train.batch_size * cfg.train.seq_len * len(steady) / sum(steady),
+             "skipped": reporter.skipped, "stopped": stopped}
+  _log(f"done: loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f} over steps {start + 1}–"
+       f"{start + summary['steps']} | {summary['tokens_per_sec']:,.0f} tokens/s (after the first step, which "
+       f"compiles) | {reporter.skipped} skipped | run dir {run_dir}")
   return summary
 
 
@@ -233,15 +337,23 @@ class _Reporter:
     self.last_done = time.perf_counter()
     self.step_times: list[float] = []
     self.losses: list[float] = []
+    self.skipped = 0
 
-  def __call__(self, step: int, metrics: dict[str, jax.Array], data_wait: float) -> None:
+  def __call__(self, step: int, metrics: dict[str, jax.Array], data_wait: float, extra: dict[str, float]) -> None:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    values.update(extra)
+    self.skipped += int(values["skipped"])
+    if values["nonfinite"] and self.cfg.train.on_nonfinite == "stop":
+      self.writer.write(step, values)
+      raise RunStopped(f"step {step}: loss {values['loss']:g}, gradient norm {values['grad_norm']:g}; the "
+                       f"parameters were not updated and checkpoints on disk hold finite values; lower optim.lr, "
+                       f"or set train.on_nonfinite=skip to skip such steps")
     done = time.perf_counter()
     step_time, self.last_done = done - self.last_done, done
     self.step_times.append(step_time)
     self.losses.append(values["loss"])
     cfg = self.cfg
-    if step % cfg.metrics.every == 0 or step in (1, cfg.train.steps):
+    if step % cfg.metrics.every == 0 or step in (1, cfg.train.steps) or extra or values["skipped"]:
       tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
       values.update(tokens_per_sec=cfg.train.batch_size * cfg.train.seq_len / step_time, step_time_s=step_time,
                     data_wait_s=data_wait, tflops_per_device=tflops, mfu=tflops / self.peak)
@@ -266,7 +378,16 @@ def main(argv: list[str] | None = None) -> int:
   path, overrides = parse_args(argv)
   cfg = config_lib.load(path, overrides)
   mesh_lib.simulate_cpu_devices(cfg.mesh.num_cpu_devices)
-  run(cfg)
+  multi_process = mesh_lib.initialize_distributed(cfg.dist)
+  try:
+    run(cfg)
+  except Exception as e:  # noqa: BLE001
+    if multi_process:  # a peer is gone or this process failed: leave now, not after jax.distributed's shutdown wait
+      if not isinstance(e, (UserError, RunStopped)):
+        traceback.print_exc()
+      print(f"error: process {jax.process_index()}: {e}".splitlines()[0], file=sys.stderr, flush=True)
+      os._exit(2 if isinstance(e, UserError) else 1)
+    raise
   return 0
 
 

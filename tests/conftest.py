@@ -28,7 +28,7 @@ def tiny_v3() -> config_lib.Config:
   return load_config("tiny-v3")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_env() -> dict[str, str]:
   """Environment for subprocesses running jaxseek (this checkout first on the path)."""
   env = dict(os.environ)

@@ -1,5 +1,14 @@
-"""Input: Grain sources → per-process shard → shuffle → batch → global jax.Array batches on the mesh."""
+"""Input: prepared token shards (or synthetic / python-stdlib) → per-process Grain pipeline → packed rows →
+global jax.Array batches. Modules load on first use, so data preparation never imports JAX."""
 
-from jaxseek.input.pipeline import global_batches, make_dataset
+import importlib
 
-__all__ = ["global_batches", "make_dataset"]
+__all__ = ["GlobalBatches", "global_batches", "make_dataset"]
+
+
+def __getattr__(name: str):
+  if name in __all__:
+    return getattr(importlib.import_module("jaxseek.input.pipeline"), name)
+  if name in ("pipeline", "prepare", "shards", "sources", "state", "tokenize"):
+    return importlib.import_module(f"jaxseek.input.{name}")
+  raise AttributeError(f"module 'jaxseek.input' has no attribute {name!r}")

@@ -1,13 +1,18 @@
-"""Token sources: `synthetic` (seeded random tokens) and `python-stdlib` (this Python's own sources, bytes)."""
+"""Token sources: `synthetic` (seeded random tokens), documents (prepared folders, or this Python's own sources
+byte-level) and their split into training chunks of at most `seq_len` (input, target) pairs."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
 from jaxseek.errors import UserError
+
+BYTE_EOS = 0  # byte-level data ends each document with a NUL byte (NULs inside the text are dropped)
 
 
 class SyntheticSource:
@@ -24,29 +29,80 @@ class SyntheticSource:
     return rng.integers(0, self.vocab, self.length, dtype=np.int32)
 
 
-class WindowSource:
-  """Consecutive windows of `length` tokens (stride length − 1, so each target follows its input) of a 1-D array."""
+@dataclasses.dataclass(frozen=True)
+class Documents:
+  """Documents in shards: document d of shard s is tokens[s][offsets[s][d]:offsets[s][d + 1]] (the arrays are
+  memory-mapped files or in memory). `fingerprint` identifies the data in saved iterator states."""
 
-  def __init__(self, tokens: np.ndarray, length: int):
-    if tokens.size < length:
-      raise UserError(f"the corpus holds {tokens.size} tokens, fewer than one sequence of {length}; "
-                      f"lower train.seq_len or add data")
-    self.tokens, self.length = tokens, length
-    self.count = (tokens.size - 1) // (length - 1)
+  name: str
+  tokens: tuple[np.ndarray, ...]
+  offsets: tuple[np.ndarray, ...]
+  vocab_size: int
+  eos_id: int | None
+  fingerprint: str
+
+  @property
+  def num_documents(self) -> int:
+    return sum(len(o) - 1 for o in self.offsets)
+
+
+class DocumentChunks:
+  """Grain source: record i is one chunk, an [n, 2] int32 array of consecutive (input, target) pairs of one
+  document, 1 ≤ n ≤ seq_len. A document of m tokens has m − 1 pairs, split into ⌈(m − 1) / seq_len⌉ chunks, so
+  no pair ever crosses two documents."""
+
+  def __init__(self, docs: Documents, seq_len: int):
+    self.docs, self.seq_len = docs, seq_len
+    pairs = np.concatenate([np.maximum(np.diff(np.asarray(o)) - 1, 0) for o in docs.offsets])
+    self.chunk_end = np.cumsum(-(-pairs // seq_len))  # chunks of documents [0, d], over all shards
+    self.doc_base = np.cumsum([0] + [len(o) - 1 for o in docs.offsets])  # first document of each shard
+    if len(self) == 0:
+      raise UserError(f"data.source {docs.name} holds no document of 2 or more tokens; prepare it from real text")
 
   def __len__(self) -> int:
-    return self.count
+    return int(self.chunk_end[-1]) if self.chunk_end.size else 0
+
+  def __getstate__(self) -> dict:
+    """Grain worker processes receive memory-mapped shards as file names, not as copies of the data."""
+    portable = lambda a: (a.filename, a.dtype.str) if isinstance(a, np.memmap) else a
+    docs = dataclasses.replace(self.docs, tokens=tuple(map(portable, self.docs.tokens)),
+                               offsets=tuple(map(portable, self.docs.offsets)))
+    return {**self.__dict__, "docs": docs}
+
+  def __setstate__(self, state: dict) -> None:
+    mapped = lambda a: np.memmap(a[0], dtype=np.dtype(a[1]), mode="r") if isinstance(a, tuple) else a
+    docs = state["docs"]
+    state["docs"] = dataclasses.replace(docs, tokens=tuple(map(mapped, docs.tokens)),
+                                        offsets=tuple(map(mapped, docs.offsets)))
+    self.__dict__.update(state)
 
   def __getitem__(self, i: int) -> np.ndarray:
-    start = int(i) * (self.length - 1)
-    return self.tokens[start:start + self.length].astype(np.int32)
+    i = int(i) % len(self)
+    d = int(np.searchsorted(self.chunk_end, i, side="right"))
+    c = i - (int(self.chunk_end[d - 1]) if d else 0)
+    s = int(np.searchsorted(self.doc_base, d, side="right")) - 1
+    offsets = self.docs.offsets[s]
+    begin, end = int(offsets[d - self.doc_base[s]]), int(offsets[d - self.doc_base[s] + 1])
+    start = begin + c * self.seq_len
+    stop = min(start + self.seq_len + 1, end)
+    tokens = np.asarray(self.docs.tokens[s][start:stop], dtype=np.int32)
+    return np.stack([tokens[:-1], tokens[1:]], axis=1)
 
 
-def python_stdlib_bytes(max_bytes: int) -> np.ndarray:
-  """The `.py` files of this Python's standard library, sorted by path, concatenated as bytes (a real corpus
-  that exists wherever jaxseek runs)."""
+def byte_documents(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+  """UTF-8 documents → (tokens uint32, offsets int64): bytes with NULs removed, each followed by BYTE_EOS."""
+  docs = [t.replace(b"\0", b"") for t in texts]
+  tokens = np.frombuffer(b"\0".join(docs) + b"\0", dtype=np.uint8).astype(np.uint32)
+  offsets = np.zeros(len(docs) + 1, np.int64)
+  np.cumsum([len(d) + 1 for d in docs], out=offsets[1:])
+  return tokens, offsets
+
+
+def python_stdlib_documents(max_bytes: int) -> Documents:
+  """The `.py` files of this Python's standard library, sorted by path, one document per file, byte-level,
+  up to about `max_bytes` (a real corpus that exists wherever jaxseek runs)."""
   root = Path(sysconfig.get_paths()["stdlib"])
-  chunks, total = [], 0
+  texts, total = [], 0
   for path in sorted(root.rglob("*.py")):
     if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
       continue
@@ -54,10 +110,12 @@ def python_stdlib_bytes(max_bytes: int) -> np.ndarray:
       data = path.read_bytes()
     except OSError:
       continue
-    chunks.append(data + b"\n\n")
-    total += len(data) + 2
+    texts.append(data[:max_bytes - total])
+    total += len(texts[-1])
     if total >= max_bytes:
       break
-  if not chunks:
+  if not texts:
     raise UserError(f"no Python sources found under {root}; use data.source=synthetic")
-  return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+  tokens, offsets = byte_documents(texts)
+  fingerprint = hashlib.sha256(tokens.astype(np.uint8).tobytes()).hexdigest()
+  return Documents("python-stdlib", (tokens,), (offsets,), 256, BYTE_EOS, f"python-stdlib:{fingerprint}")

@@ -1,15 +1,25 @@
-"""Mixture of experts: router, shared experts, dropless dispatch (sort by expert + grouped matmul).
+"""Mixture of experts: router, shared experts, expert-parallel dispatch (sort by expert + grouped matmul).
 
 Shape key (see jaxseek.model): X tokens of a shard flattened (B·T), E routed experts, K experts per token,
-M expert hidden size, D model size. Inside `jax.shard_map` a lowercase letter is the local shard (m = M/|tensor|).
+M expert hidden size, D model size; J = K·X token copies, P expert-axis shards, R buffer rows. Inside
+`jax.shard_map` a lowercase letter is the local shard (e = E/P experts, m = M/|tensor|, x = local tokens).
 
 Routing (float32):
   s = softmax(x·W_r) or sigmoid(x·W_r)
+  device-limited        (optional) keep the `moe_max_expert_shards` expert shards with the largest sum of
+                        their top-⌈K/M⌉ choice scores (P contiguous expert ranges, one per expert-axis shard)
   greedy                top-K of s
   group_limited_greedy  (V2) keep the `topk_group` groups with the largest max(s), then top-K
   noaux_tc              (V3) choose with s + b: keep the groups with the largest sum of their top-2, then
                         top-K; gate weights come from the unbiased s
   weights are renormalised (norm_topk_prob) and scaled by routed_scaling_factor.
+
+Dispatch on the expert axis (P shards): each device sends every token copy to the shard that holds its
+expert through a fixed buffer of C rows per (source, destination) pair, with `all_to_all`; the destination
+runs its e experts over what it received (grouped matmul) and sends the results back the same way.
+  C = min(⌈capacity_factor · J / P⌉, X · min(K, e))     (capacity_factor None: C = X · min(K, e), dropless)
+Copies fill their destination's C slots in k-major order (every token's first choice, then every second
+choice, ...; tokens in order within one k); copies past C are dropped, contribute zero and are counted.
 
 The correction bias b is not trained: after each optimiser step b += rate · sign(mean(load) − load), with
 loads summed over the whole global batch (train.py).
@@ -18,12 +28,14 @@ loads summed over the whole global batch (train.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxseek.config import ModelConfig
+from jaxseek.errors import UserError
 from jaxseek.model.layers import MLP, param
 from jaxseek.sharding import rules
 
@@ -34,7 +46,7 @@ class RouterBias(nnx.Variable):
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """The router's settings (Hugging Face names)."""
+  """The router's settings (Hugging Face names, then jaxseek's device limit)."""
 
   scoring_func: str
   topk_method: str
@@ -44,19 +56,43 @@ class Routing:
   norm_topk_prob: bool
   routed_scaling_factor: float
   scale_after_norm: bool  # V3 renormalises and then scales; DeepSeek-MoE / V2 do one or the other
+  max_expert_shards: int | None = None  # device-limited routing: at most this many expert shards per token
+  expert_shards: int | None = None  # contiguous expert ranges for the limit; None: the mesh's expert axis
 
   @classmethod
   def from_config(cls, cfg: ModelConfig) -> "Routing":
+    if cfg.moe_max_expert_shards is not None and cfg.moe_max_expert_shards < 1:
+      raise UserError(f"config key model.moe_max_expert_shards: {cfg.moe_max_expert_shards} must be ≥ 1, "
+                      f"or null for no device limit")
     return cls(cfg.scoring_func, cfg.topk_method, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-               cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.model_type == "deepseek_v3")
+               cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.model_type == "deepseek_v3",
+               max_expert_shards=cfg.moe_max_expert_shards)
 
 
-def route(logits_XE: jax.Array, bias_E: jax.Array | None, cfg: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
+def limit_shards(choice_XE: jax.Array, shards: int, max_shards: int, k: int) -> jax.Array:
+  """Device-limited routing: -inf outside the `max_shards` expert ranges with the largest top-⌈k/max⌉ sums."""
+  X, E = choice_XE.shape
+  if E % shards or k > max_shards * (E // shards):
+    raise UserError(f"config key model.moe_max_expert_shards: {max_shards} shards of the {shards} expert shards "
+                    f"(n_routed_experts={E}) cannot hold num_experts_per_tok={k} experts per token; raise it")
+  per_shard_XPe = choice_XE.reshape(X, shards, E // shards)
+  top = min(-(-k // max_shards), E // shards)
+  shard_score_XP = jax.lax.top_k(per_shard_XPe, top)[0].sum(-1)
+  _, keep = jax.lax.top_k(shard_score_XP, max_shards)
+  keep_XP = jax.nn.one_hot(keep, shards, dtype=jnp.bool_).any(axis=-2)
+  return jnp.where(keep_XP[..., None], per_shard_XPe, -jnp.inf).reshape(X, E)
+
+
+def route(logits_XE: jax.Array, bias_E: jax.Array | None, cfg: Routing,
+          expert_shards: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Returns (expert ids [X, K], gate weights [X, K], scores [X, E]), all computed in float32."""
   logits_XE = logits_XE.astype(jnp.float32)
   scores_XE = jax.nn.sigmoid(logits_XE) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits_XE, axis=-1)
   choice_XE = scores_XE + bias_E if bias_E is not None else scores_XE
   X, E = choice_XE.shape
+  shards = cfg.expert_shards or expert_shards
+  if cfg.max_expert_shards is not None and cfg.max_expert_shards < shards:
+    choice_XE = limit_shards(choice_XE, shards, cfg.max_expert_shards, cfg.num_experts_per_tok)
   if cfg.topk_method != "greedy" and cfg.n_group > 1:
     grouped_XGe = choice_XE.reshape(X, cfg.n_group, E // cfg.n_group)
     if cfg.topk_method == "noaux_tc":
@@ -79,62 +115,154 @@ def route(logits_XE: jax.Array, bias_E: jax.Array | None, cfg: Routing) -> tuple
   return idx_XK, weights_XK, scores_XE
 
 
+def ffn_ragged(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
+  """SwiGLU per expert group with `lax.ragged_dot` (a grouped GEMM on accelerators)."""
+  gate_Rm = jax.lax.ragged_dot(x_RD, w_gate_EDm, sizes_E)
+  up_Rm = jax.lax.ragged_dot(x_RD, w_up_EDm, sizes_E)
+  return jax.lax.ragged_dot(jax.nn.silu(gate_Rm) * up_Rm, w_down_EmD, sizes_E)
+
+
+def ffn_blocked(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
+  """SwiGLU per expert group as batched matmuls over row blocks, each block padded to one expert.
+
+  XLA:CPU lowers `ragged_dot` to a dense product with every group (E× the work); here each group is padded
+  to a multiple of the block size n, so the work is (R + E·n) rows instead of E·R.
+  """
+  R, D = x_RD.shape
+  E = w_gate_EDm.shape[0]
+  n = 2 ** int(math.log2(min(max(R // (4 * E), 8), 256)))
+  blocks = -(-(R + E * (n - 1)) // n)
+  padded_E = -(-sizes_E // n) * n
+  ends_E, padded_ends_E = jnp.cumsum(sizes_E), jnp.cumsum(padded_E)
+  row_R = jnp.arange(R)
+  group_R = jnp.searchsorted(ends_E, row_R, side="right")  # E past the last group: rows outside every group
+  dest_R = jnp.where(group_R < E, (padded_ends_E - padded_E).at[group_R].get(mode="clip") + row_R
+                     - (ends_E - sizes_E).at[group_R].get(mode="clip"), blocks * n)
+  x_NnD = jnp.zeros((blocks * n, D), x_RD.dtype).at[dest_R].set(x_RD, mode="drop").reshape(blocks, n, D)
+  expert_N = jnp.minimum(jnp.searchsorted(padded_ends_E, jnp.arange(blocks) * n, side="right"), E - 1)
+  gate_Nnm = jnp.einsum("NnD,NDm->Nnm", x_NnD, w_gate_EDm[expert_N])
+  up_Nnm = jnp.einsum("NnD,NDm->Nnm", x_NnD, w_up_EDm[expert_N])
+  y_NnD = jnp.einsum("Nnm,NmD->NnD", jax.nn.silu(gate_Nnm) * up_Nnm, w_down_EmD[expert_N])
+  return y_NnD.reshape(blocks * n, D).at[dest_R].get(mode="fill", fill_value=0)
+
+
+def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD) -> jax.Array:
+  """SwiGLU of rows sorted by expert (group e has sizes_E[e] rows; rows past the groups give zeros)."""
+  return jax.lax.platform_dependent(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, cpu=ffn_blocked,
+                                    default=ffn_ragged)
+
+
 def experts_local(x_XD, idx_XK, weights_XK, w_gate_EDm, w_up_EDm, w_down_EmD) -> jax.Array:
   """Dropless expert computation on one shard: sort token copies by expert, grouped matmuls, weighted unsort.
 
-  Returns the (partial, if m < M) output [X, D].
+  An id ≥ E selects no expert (zero output). Returns the (partial, if m < M) output [X, D].
   """
   X, K = idx_XK.shape
   E = w_gate_EDm.shape[0]
   flat_e = idx_XK.reshape(-1)
   order = jnp.argsort(flat_e, stable=True)
   token_of = order // K
-  group_sizes_E = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-  x_sorted = x_XD[token_of]
-  gate = jax.lax.ragged_dot(x_sorted, w_gate_EDm, group_sizes_E)
-  up = jax.lax.ragged_dot(x_sorted, w_up_EDm, group_sizes_E)
-  y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_EmD, group_sizes_E)
+  sizes_E = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+  y_sorted = expert_ffn(x_XD[token_of], sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD)
   y_sorted = y_sorted * weights_XK.reshape(-1)[order][:, None].astype(y_sorted.dtype)
+  y_sorted = jnp.where((flat_e[order] < E)[:, None], y_sorted, 0)  # rows past the groups: undefined on some backends
   return jnp.zeros_like(x_XD).at[token_of].add(y_sorted)
 
 
-def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD, routing: Routing):
-  """Routing and dropless expert computation, run on every token shard inside `jax.shard_map`.
+def capacity(tokens: int, k: int, shards: int, local_experts: int, factor: float | None) -> int:
+  """Buffer rows per (source, destination) shard pair: factor × the balanced load, at most the worst case."""
+  worst = tokens * min(k, local_experts)
+  if factor is None:
+    return worst
+  return max(1, min(worst, math.ceil(factor * tokens * k / shards)))
 
-  Per-token work (router, top-k, sort, grouped matmuls) stays on the shard that holds the token; only the
-  statistics cross shards: expert loads are summed over the whole batch, per-sequence balance sums over the
-  length axis, and tensor-parallel partial outputs are all-reduced.
-  Returns y [B, T, D], load [E] (tokens per expert over the global batch), balance loss per sequence [B].
+
+def send_slots(dest_J: jax.Array, shards: int, cap: int) -> jax.Array:
+  """Buffer slot of each copy: destination · C + its rank among that destination's copies; dropped: P·C."""
+  J = dest_J.shape[0]
+  order_J = jnp.argsort(dest_J, stable=True)
+  count_P = jnp.bincount(dest_J, length=shards)
+  rank_sorted_J = jnp.arange(J) - (jnp.cumsum(count_P) - count_P)[dest_J[order_J]]
+  rank_J = jnp.zeros((J,), jnp.int32).at[order_J].set(rank_sorted_J.astype(jnp.int32))
+  return jnp.where(rank_J < cap, dest_J * cap + rank_J, shards * cap)
+
+
+def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
+                     shards: int, cap: int) -> tuple[jax.Array, jax.Array]:
+  """Expert-parallel computation with fixed buffers: all_to_all out, grouped matmuls, all_to_all back.
+
+  Returns the (partial, if m < M) output [X, D] and which copies were kept [K, X] (k-major, as buffered).
+  """
+  X, K = idx_XK.shape
+  D, e = x_XD.shape[1], w_gate_eDm.shape[0]
+  idx_J = idx_XK.T.reshape(-1)  # copy j = k·X + x: first choices fill the buffers first
+  slot_J = send_slots(idx_J // e, shards, cap)
+  rows = shards * cap
+  copy_R = jnp.full((rows,), K * X, jnp.int32).at[slot_J].set(jnp.arange(K * X, dtype=jnp.int32), mode="drop")
+  filled_R = copy_R < K * X
+  send_RD = jnp.where(filled_R[:, None], x_XD[copy_R % X], 0)
+  local_R = jnp.where(filled_R, idx_J.at[copy_R].get(mode="clip") % e, e)  # e: an empty row, no expert
+
+  def exchange(a):
+    if shards == 1:
+      return a
+    return jax.lax.all_to_all(a.reshape(shards, cap, *a.shape[1:]), axes, 0, 0).reshape(a.shape)
+
+  y_RD = experts_local(exchange(send_RD), exchange(local_R)[:, None], jnp.ones((rows, 1), jnp.float32),
+                       w_gate_eDm, w_up_eDm, w_down_emD)
+  y_JD = exchange(y_RD).at[slot_J].get(mode="fill", fill_value=0)
+  weights_KX = weights_XK.T.astype(y_JD.dtype)
+  y_XD = jnp.einsum("KXD,KX->XD", y_JD.reshape(K, X, D), weights_KX)
+  return y_XD, (slot_J < rows).reshape(K, X)
+
+
+def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD, routing: Routing,
+                   capacity_factor: float | None = None):
+  """Routing and expert computation on every token shard inside `jax.shard_map`, experts split on `expert`.
+
+  Only the statistics and the expert-axis dispatch cross shards: expert loads and dropped copies are summed
+  over the whole batch, per-sequence balance sums over the length axis, tensor-parallel partial outputs are
+  all-reduced. Returns y [B, T, D], load [E] (tokens per expert over the global batch), balance loss per
+  sequence [B], dropped (token copies over capacity, summed over the global batch) [].
   """
   mesh = rules.has_mesh()
   batch_axes, length_axes = rules.mesh_axes("batch"), rules.mesh_axes("length")
-  tensor_axes = rules.mesh_axes("expert_mlp")
+  tensor_axes, expert_axes = rules.mesh_axes("expert_mlp"), rules.mesh_axes("experts")
+  shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in expert_axes) if mesh else 1
   psum = lambda x, axes: jax.lax.psum(x, axes) if mesh and axes else x
 
-  def local(x_btD, valid_bt, w_router_DE, bias_E, w_gate_EDm, w_up_EDm, w_down_EmD):
+  def local(x_btD, valid_bt, w_router_DE, bias_E, w_gate_eDm, w_up_eDm, w_down_emD):
     b, t, D = x_btD.shape
-    E = w_router_DE.shape[1]
-    logits_xE = jnp.einsum("xD,DE->xE", x_btD.reshape(b * t, D).astype(jnp.float32), w_router_DE)
-    idx_xK, weights_xK, scores_xE = route(logits_xE, bias_E, routing)
-    y_xD = experts_local(x_btD.reshape(b * t, D), idx_xK, weights_xK, w_gate_EDm, w_up_EDm, w_down_EmD)
-    y_btD = psum(y_xD.reshape(b, t, D), tensor_axes)
+    E, K = w_router_DE.shape[1], routing.num_experts_per_tok
+    x_xD = x_btD.reshape(b * t, D)
+    logits_xE = jnp.einsum("xD,DE->xE", x_xD.astype(jnp.float32), w_router_DE)
+    idx_xK, weights_xK, scores_xE = route(logits_xE, bias_E, routing, shards)
+    cap = capacity(b * t, K, shards, E // shards, capacity_factor)
     valid_x = valid_bt.reshape(-1).astype(jnp.float32)
+    if shards == 1 and cap == capacity(b * t, K, 1, E, None):
+      y_xD = experts_local(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD)
+      dropped = jnp.zeros((), jnp.float32)
+    else:
+      y_xD, kept_Kx = experts_parallel(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD, expert_axes,
+                                       shards, cap)
+      dropped = ((1.0 - kept_Kx.astype(jnp.float32)) * valid_x).sum()
+    y_btD = psum(y_xD.reshape(b, t, D), tensor_axes)
     chosen_xE = jax.nn.one_hot(idx_xK, E, dtype=jnp.float32).sum(-2) * valid_x[:, None]
-    load_E = psum(chosen_xE.sum(0), batch_axes + length_axes)
+    load_E, dropped = psum((chosen_xE.sum(0), dropped), batch_axes + length_axes)
     sums = (chosen_xE.reshape(b, t, E).sum(1),
             (scores_xE / scores_xE.sum(-1, keepdims=True) * valid_x[:, None]).reshape(b, t, E).sum(1),
             valid_bt.astype(jnp.float32).sum(1))
-    return y_btD, load_E, balance_loss(*psum(sums, length_axes), idx_xK.shape[-1])
+    return y_btD, load_E, balance_loss(*psum(sums, length_axes), K), dropped
 
   args = (x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD)
   if not mesh:
     return local(*args)
   tokens, seqs = rules.activation_spec(("batch", "length", None)), rules.activation_spec(("batch", "length"))
-  w_in = rules.activation_spec((None, None, "expert_mlp"))
-  w_out = rules.activation_spec((None, "expert_mlp", None))
+  w_in = rules.activation_spec(("experts", None, "expert_mlp"))
+  w_out = rules.activation_spec(("experts", "expert_mlp", None))
   replicated = rules.activation_spec(())
   return jax.shard_map(local, in_specs=(tokens, seqs, replicated, replicated, w_in, w_in, w_out),
-                       out_specs=(tokens, replicated, rules.activation_spec(("batch",))))(*args)
+                       out_specs=(tokens, replicated, rules.activation_spec(("batch",)), replicated))(*args)
 
 
 def balance_loss(counts_BE: jax.Array, score_sums_BE: jax.Array, tokens_B: jax.Array, k: int) -> jax.Array:
@@ -148,7 +276,7 @@ def balance_loss(counts_BE: jax.Array, score_sums_BE: jax.Array, tokens_B: jax.A
 
 
 class MoE(nnx.Module):
-  """Routed experts (dropless) plus always-on shared experts."""
+  """Routed experts (dropless unless a capacity factor is set) plus always-on shared experts."""
 
   def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
     D, E, M = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -162,13 +290,19 @@ class MoE(nnx.Module):
     self.shared = MLP(D, M * cfg.n_shared_experts, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs) \
         if cfg.n_shared_experts else None
     self.routing = Routing.from_config(cfg)
+    if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
+      raise UserError(f"config key model.moe_capacity_factor: {cfg.moe_capacity_factor} must be > 0, or null "
+                      f"for dropless dispatch")
+    self.capacity_factor = cfg.moe_capacity_factor
     self.dtype = dtype
 
   def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Returns y [B, T, D] and aux: `load` [E], `balance` [B], `dropped` [] (see routed_experts)."""
     w = lambda p: p[...].astype(self.dtype)
     bias_E = self.bias_E[...] if self.bias_E is not None else jnp.zeros(self.w_router_DE.shape[1:], jnp.float32)
-    y_BTD, load_E, balance_B = routed_experts(x_BTD, valid_BT, self.w_router_DE[...], bias_E, w(self.w_gate_EDM),
-                                              w(self.w_up_EDM), w(self.w_down_EMD), self.routing)
+    y_BTD, load_E, balance_B, dropped = routed_experts(
+        x_BTD, valid_BT, self.w_router_DE[...], bias_E, w(self.w_gate_EDM), w(self.w_up_EDM), w(self.w_down_EMD),
+        self.routing, self.capacity_factor)
     if self.shared is not None:
       y_BTD = y_BTD + self.shared(x_BTD)
-    return y_BTD, {"load": load_E, "balance": balance_B}
+    return y_BTD, {"load": load_E, "balance": balance_B, "dropped": dropped}

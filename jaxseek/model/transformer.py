@@ -138,14 +138,15 @@ class Transformer(nnx.Module):
         aux.update(layer_aux)
     h_BTD = self.final_norm(x_BTD)
     aux["hidden"] = h_BTD
-    mtp = [], [], []
+    mtp = [], [], [], []
     for k, layer in enumerate(self.mtp_layers, start=1):
       h_BTD, layer_aux = layer(self.embed(shift_left(tokens_BT, k)), h_BTD, positions_BT, segment_ids_BT, valid_BT)
       mtp[0].append(self._logits(h_BTD))
       if layer_aux:
         mtp[1].append(layer_aux["load"])
         mtp[2].append(layer_aux["balance"])
-    for name, values in zip(("mtp_logits", "mtp_load", "mtp_balance"), mtp):
+        mtp[3].append(layer_aux["dropped"])
+    for name, values in zip(("mtp_logits", "mtp_load", "mtp_balance", "mtp_dropped"), mtp):
       if values:
         aux[name] = jnp.stack(values)
     return self._logits(aux["hidden"]), aux

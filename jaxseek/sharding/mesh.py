@@ -3,12 +3,60 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxseek.config import MESH_AXES, Config, MeshConfig, check_mesh_fit
+from jaxseek.config import MESH_AXES, Config, DistConfig, MeshConfig, check_mesh_fit
 from jaxseek.errors import UserError
+
+# Axes that must stay inside one process (node-local NVLink): their collectives run every layer.
+HOST_LOCAL_AXES = ("expert", "tensor")
+
+
+def initialize_distributed(dist: DistConfig) -> bool:
+  """Joins the processes of a multi-process run with jax.distributed, before the backend starts.
+
+  Explicit settings (config, then JAXSEEK_COORDINATOR / JAXSEEK_NUM_PROCESSES / JAXSEEK_PROCESS_ID) win; else JAX
+  detects SLURM (srun) or Open MPI (mpirun). Returns False for a single process, which skips it.
+  """
+  coordinator = dist.coordinator or os.environ.get("JAXSEEK_COORDINATOR")
+  num_processes = dist.num_processes or _env_int("JAXSEEK_NUM_PROCESSES")
+  process_id = dist.process_id if dist.process_id is not None else _env_int("JAXSEEK_PROCESS_ID")
+  managed = _env_int("SLURM_NTASKS", 1) > 1 or _env_int("OMPI_COMM_WORLD_SIZE", 1) > 1
+  if not coordinator and not managed:
+    return False
+  if coordinator and (num_processes is None or process_id is None):
+    raise UserError("dist.coordinator is set but dist.num_processes or dist.process_id is not; set all three "
+                    "(or JAXSEEK_NUM_PROCESSES and JAXSEEK_PROCESS_ID)")
+  local_ids = _node_local_devices() if dist.process_per == "node" else None
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                               local_device_ids=local_ids, initialization_timeout=dist.init_timeout_s,
+                               heartbeat_timeout_seconds=dist.heartbeat_timeout_s)
+  except Exception as e:  # noqa: BLE001 — a coordinator that cannot be reached is a set-up error
+    raise UserError(f"jax.distributed could not start ({type(e).__name__}: {str(e).splitlines()[0][:160]}); check "
+                    f"dist.coordinator / the launcher and that every process started") from None
+  return True
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value not in (None, "") else default
+
+
+def _node_local_devices() -> list[int]:
+  """All GPUs this process may use when one process drives a whole node."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible:
+    return list(range(len(visible.split(","))))
+  count = _env_int("SLURM_GPUS_ON_NODE") or _env_int("SLURM_GPUS_PER_NODE")
+  if not count:
+    raise UserError("dist.process_per=node needs CUDA_VISIBLE_DEVICES or SLURM_GPUS_ON_NODE to count this node's "
+                    "GPUs; export one of them in the job script")
+  return list(range(count))
 
 
 def simulate_cpu_devices(n: int | None) -> None:
@@ -41,13 +89,38 @@ def resolve_sizes(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
-  """Builds the 6-axis mesh over `devices` (default: all), every axis AxisType.Auto (GSPMD propagation)."""
+  """Builds the 6-axis mesh over `devices` (default: all), every axis AxisType.Auto (GSPMD propagation).
+
+  Devices are ordered by (process, id) and the innermost axes vary fastest, so the inner axes (tensor,
+  context, expert) fill one process before the outer ones (fsdp, data, pipeline) cross to the next.
+  """
   devices = list(jax.devices()) if devices is None else list(devices)
   sizes = resolve_sizes(cfg.mesh, len(devices))
   check_mesh_fit(cfg, sizes)
-  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices)
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  grid = np.array(ordered, dtype=object).reshape(tuple(sizes[a] for a in MESH_AXES))
+  if not cfg.mesh.allow_cross_host:
+    check_host_local(grid)
+  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_host_local(grid: np.ndarray) -> None:
+  """Refuses a layout whose expert or tensor groups span processes (their per-layer collectives would cross
+  the slow inter-node links)."""
+  for axis in HOST_LOCAL_AXES:
+    moved = np.moveaxis(grid, MESH_AXES.index(axis), -1).reshape(-1, grid.shape[MESH_AXES.index(axis)])
+    for group in moved:
+      if len({d.process_index for d in group}) > 1:
+        raise UserError(f"mesh.{axis}={len(group)} would span processes {sorted({d.process_index for d in group})} "
+                        f"({len(jax.local_devices())} devices each); keep {axis} within a node or set "
+                        f"mesh.allow_cross_host=true")
 
 
 def describe(mesh: Mesh) -> str:
   return " × ".join(f"{a}={n}" for a, n in mesh.shape.items())
+
+
+def startup_line(mesh: Mesh) -> str:
+  """One line per process: who it is, how many devices it drives, the mesh."""
+  return (f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local of "
+          f"{jax.device_count()} {jax.devices()[0].platform} devices | mesh {describe(mesh)}")

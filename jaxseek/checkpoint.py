@@ -1,0 +1,165 @@
+"""Checkpoints: Orbax CheckpointManager, async by default; exact resume, restore onto any mesh, integrity checks.
+
+Layout of `<run_dir>/checkpoints/<step>/` (one Orbax composite per step; a save that did not finish stays in a
+`*.orbax-checkpoint-tmp` folder, which resume ignores):
+
+  params     the model parameters (pure dict of arrays)      } all a converted checkpoint holds
+  biases     the MoE correction biases (pure dict)            }
+  opt_state  the optimiser state (pure pytree)
+  train      {step, loss window} of the train state
+  data       the data-iterator state of every process (Grain, one JSON per process)
+  config     the resolved config (JSON)
+
+Arrays are restored into the abstract state of the current mesh (ShapeDtypeStruct with the new shardings),
+so a checkpoint written on one mesh shape resumes on another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxseek import config as config_lib
+from jaxseek.errors import UserError
+
+ITEMS = ("params", "biases", "opt_state", "train", "data", "config")
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def to_pure(tree: Any) -> Any:
+  """Replaces every nnx Variable by its value (Orbax stores plain arrays)."""
+  return jax.tree.map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
+
+
+def from_pure(template: Any, pure: Any) -> Any:
+  """Puts the values of `pure` back into the Variables of `template` (same structure)."""
+  return jax.tree.map(lambda t, v: t.replace(v) if _is_variable(t) else v, template, pure, is_leaf=_is_variable)
+
+
+def abstract_with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying the current mesh's shardings: the restore target."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), to_pure(abstract),
+                      to_pure(shardings))
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+  """The `checkpoints/` folder of a run directory, or the folder itself when given directly."""
+  path = Path(path)
+  return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+class Checkpointer:
+  """Saves and restores the train state, the data iterator and the config of one run."""
+
+  def __init__(self, cfg: config_lib.Config, directory: str | Path, *, read_only: bool = False):
+    self.cfg = cfg
+    self.directory = checkpoint_dir(directory).absolute()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.checkpoint.keep, keep_period=cfg.checkpoint.keep_every or None,
+        enable_async_checkpointing=cfg.checkpoint.async_save, create=not read_only, read_only=read_only)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, data_iterator: Any | None) -> float:
+    """Starts writing a checkpoint of `state` (TrainState) at `step`; returns the seconds the caller was blocked."""
+    start = time.perf_counter()
+    items = dict(params=ocp.args.StandardSave(to_pure(state.params)),
+                 opt_state=ocp.args.StandardSave(to_pure(state.opt_state)),
+                 train=ocp.args.StandardSave(to_pure(_train_fields(state))),
+                 config=ocp.args.JsonSave(config_lib.to_dict(self.cfg)))
+    if jax.tree.leaves(state.biases):  # Orbax refuses empty items; models without correction biases have none
+      items["biases"] = ocp.args.StandardSave(to_pure(state.biases))
+    if data_iterator is not None:
+      import grain
+      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    return time.perf_counter() - start
+
+  def saved_config(self, step: int) -> dict:
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 — any unreadable metadata is a user-facing integrity error
+      raise UserError(f"checkpoint {self.directory / str(step)} has no readable config ({type(e).__name__}); "
+                      f"it is incomplete or corrupt: delete that step folder to resume from an earlier one") from None
+    return restored["config"]
+
+  def check_compatible(self, step: int) -> None:
+    """Refuses a checkpoint written for another model, naming the first key that differs."""
+    saved = self.saved_config(step)
+    current = config_lib.to_dict(self.cfg)
+    for section in ("model",):
+      for key, value in current[section].items():
+        if key in ("moe_capacity_factor", "moe_max_expert_shards"):
+          continue
+        old = saved.get(section, {}).get(key)
+        if old != value and not (isinstance(value, tuple) and list(value) == old):
+          raise UserError(f"checkpoint {self.directory / str(step)} was written for {section}.{key}={old!r} but this "
+                          f"run has {section}.{key}={value!r}; use a matching config or another train.run_dir")
+
+  def restore(self, step: int, abstract_state: Any, shardings: Any, data_iterator: Any | None, *,
+              params_only: bool = False) -> Any:
+    """The TrainState at `step`, placed on the current mesh (params and biases only when `params_only`)."""
+    self.check_compatible(step)
+    targets = {name: abstract_with_shardings(getattr(abstract_state, name), getattr(shardings, name))
+               for name in ("params", "biases", "opt_state")}
+    targets["train"] = abstract_with_shardings(_train_fields(abstract_state), _train_fields(shardings))
+    names = ("params", "biases") if params_only else ("params", "biases", "opt_state", "train")
+    names = tuple(n for n in names if n != "biases" or jax.tree.leaves(abstract_state.biases))
+    items = {n: ocp.args.StandardRestore(targets[n]) for n in names}
+    resplit = None
+    if data_iterator is not None and not params_only:
+      resplit = self._data_states_if_resplit(step)
+      if resplit is None:
+        import grain
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+      raise UserError(f"checkpoint {self.directory / str(step)} cannot be restored into this model "
+                      f"({str(e).splitlines()[0][:200]}); it is corrupt or from another model") from None
+    if resplit is not None:  # another process count wrote it: every old process's state re-splits the data
+      data_iterator.set_state(resplit)
+      data_iterator.start_prefetch()
+      if jax.process_index() == 0:
+        print(f"data: checkpoint written by {len(resplit)} processes, now {jax.process_count()}: the data streams "
+              f"restart after the furthest point any old process reached (docs/data.md)", flush=True)
+    values = {n: from_pure(getattr(abstract_state, n), restored[n]) if n in restored else getattr(abstract_state, n)
+              for n in ("params", "biases")}
+    if params_only:
+      return values
+    values["opt_state"] = from_pure(abstract_state.opt_state, restored["opt_state"])
+    values.update(restored["train"])
+    return dataclasses.replace(abstract_state, **values)
+
+  def _data_states_if_resplit(self, step: int) -> list | None:
+    """The data-iterator states of all old processes when their count differs from now; None when it matches."""
+    files = sorted((self.directory / str(step) / "data").glob("process_*-of-*.json"),
+                   key=lambda p: int(p.name.split("_")[1].split("-")[0]))
+    if not files or int(files[0].stem.split("-of-")[1]) == jax.process_count():
+      return None
+    return [json.loads(p.read_text()) for p in files]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def _train_fields(state: Any) -> dict[str, Any]:
+  """The train state's own counters (everything but params, biases and optimiser state)."""
+  return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+          if f.name not in ("params", "biases", "opt_state")}

@@ -1,0 +1,235 @@
+"""`load_pretrained`: a Hugging Face model folder or a jaxseek checkpoint → the nnx model; and the jaxseek
+checkpoint layout that conversion writes and training resumes from:
+
+  <dir>/config.yaml                     the resolved Config (model section = the converted ModelConfig)
+  <dir>/checkpoints/<step>/params       Orbax item: nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  <dir>/checkpoints/<step>/biases       Orbax item: nnx.to_pure_dict(nnx.state(model, RouterBias))
+                                        (only for models that have MoE correction biases)
+  <dir>/checkpoints/<step>/config       Orbax JSON item: the same Config (training checkpoints record it too)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxseek import config as config_lib
+from jaxseek import model as model_lib
+from jaxseek.config import ModelConfig
+from jaxseek.convert import fp8, hf, mapping
+from jaxseek.errors import UserError
+from jaxseek.model.moe import RouterBias
+from jaxseek.model.transformer import Transformer
+from jaxseek.sharding import rules
+
+ITEMS = {"params": nnx.Param, "biases": RouterBias}
+
+
+def load_pretrained(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32") -> Transformer:
+  """The model of a Hugging Face folder (config.json + safetensors) or a jaxseek checkpoint folder, weights loaded.
+
+  `model(tokens_BT)` returns float32 logits [B, T, V]. Under `jax.set_mesh(mesh)` every weight is placed
+  directly on its shards (the sharding rules of jaxseek.sharding.rules); otherwise on the default device.
+  """
+  path = Path(path)
+  if (path / "config.json").is_file():
+    return from_hf(hf.Folder(path), param_dtype=param_dtype, dtype=dtype)
+  if (path / "config.yaml").is_file():
+    return from_checkpoint(path, param_dtype=param_dtype, dtype=dtype)[0]
+  raise UserError(f"{path} has no config.json (Hugging Face model folder) or config.yaml (jaxseek checkpoint "
+                  "folder); pass the folder that holds one")
+
+
+def hf_model_config(folder: hf.Folder) -> ModelConfig:
+  """The folder's ModelConfig; multi-token-prediction layers count only when their tensors are in the files
+  (transformers records num_nextn_predict_layers but does not save those layers)."""
+  layers = folder.config.get("num_hidden_layers")
+  has_mtp = any(name.startswith(f"model.layers.{layers}.") for name in folder.names())
+  return hf.model_config(folder.config, (folder.config.get("num_nextn_predict_layers") or 0) if has_mtp else 0)
+
+
+def from_hf(folder: hf.Folder, *, param_dtype: str = "float32", dtype: str = "float32") -> Transformer:
+  """Builds the model of an HF folder and streams its tensors into the Variables, one Variable at a time."""
+  cfg = hf_model_config(folder)
+  mesh = _active_mesh()
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.build(cfg, param_dtype=param_dtype, dtype=dtype)))
+  variables = dict(nnx.to_flat_state(state))
+  shardings = _shardings(state, mesh)
+  es = [e for e in mapping.entries(cfg) if not e.export_only]
+  hf.check_tensors(folder, cfg, es, {path: v.shape for path, v in variables.items()})
+  by_path: dict[mapping.Path, list[mapping.Entry]] = {}
+  for e in es:
+    by_path.setdefault(e.path, []).append(e)
+  for path, var in variables.items():
+    var.set_value(hf.read_variable(folder, cfg, by_path[path], var.shape, var.dtype, shardings[path]))
+  return nnx.merge(graphdef, state)
+
+
+def _active_mesh() -> jax.sharding.Mesh | None:
+  mesh = jax.sharding.get_mesh()
+  return None if mesh.empty else mesh
+
+
+def _shardings(state: nnx.State, mesh: jax.sharding.Mesh | None) -> dict:
+  """Path → sharding of every Variable: the rules' NamedShardings on a mesh, else the default device."""
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return {path: device for path, _ in nnx.to_flat_state(state)}
+  return dict(nnx.to_flat_state(rules.param_shardings(state, mesh)))
+
+
+# ---------------------------------------------------------------------------------------- jaxseek checkpoints
+
+
+def _new_folder(out: str | Path) -> Path:
+  """`out` as an absolute path, checked to be new or empty (so nothing is overwritten)."""
+  out = Path(out).absolute()
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise UserError(f"output folder {out} is not empty; choose a new folder so nothing there is overwritten")
+  return out
+
+
+def hf_to_checkpoint(hf_dir: str | Path, out: str | Path) -> ModelConfig:
+  """Converts a Hugging Face folder into a new jaxseek checkpoint folder; returns its ModelConfig."""
+  folder = hf.Folder(hf_dir)
+  cfg = hf_model_config(folder)
+  out = _new_folder(out)
+  save_checkpoint(from_hf(folder), cfg, out)
+  return cfg
+
+
+def save_checkpoint(model: Transformer, cfg: ModelConfig, out: str | Path) -> Path:
+  """Writes `out`/config.yaml and the Orbax checkpoint `out`/checkpoints/0 (items params, biases, config)."""
+  import orbax.checkpoint as ocp
+
+  out = _new_folder(out)
+  out.mkdir(parents=True, exist_ok=True)
+  full = config_lib.Config(model=cfg)
+  config_lib.dump(full, out / "config.yaml")
+  items = {name: nnx.to_pure_dict(nnx.state(model, kind)) for name, kind in ITEMS.items()}
+  args = {name: ocp.args.StandardSave(tree) for name, tree in items.items() if tree}  # Orbax rejects empty items
+  args["config"] = ocp.args.JsonSave(config_lib.to_dict(full))  # as training checkpoints record it
+  with ocp.CheckpointManager(out / "checkpoints") as manager:
+    manager.save(0, args=ocp.args.Composite(**args))
+    manager.wait_until_finished()
+  return out
+
+
+def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
+                    dtype: str = "float32") -> tuple[Transformer, config_lib.Config, int]:
+  """The model of a jaxseek checkpoint folder at its latest step, restored straight onto the active mesh."""
+  import orbax.checkpoint as ocp
+
+  path = Path(path).absolute()
+  cfg = config_lib.load(path / "config.yaml")
+  if not (path / "checkpoints").is_dir():
+    raise UserError(f"{path} has config.yaml but no checkpoints/ folder; pass a jaxseek checkpoint folder")
+  mesh = _active_mesh()
+  graphdef, state = nnx.split(nnx.eval_shape(
+      lambda: model_lib.build(cfg.model, param_dtype=param_dtype, dtype=dtype)))
+  shardings = _shardings(state, mesh)
+  with ocp.CheckpointManager(path / "checkpoints") as manager:
+    step = manager.latest_step()
+    if step is None:
+      raise UserError(f"{path / 'checkpoints'} holds no finished checkpoint step")
+    variables = dict(nnx.to_flat_state(state))
+    abstract = {}
+    for name, kind in ITEMS.items():
+      tree = _nest({p: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[p])
+                    for p, v in variables.items() if isinstance(v, kind)})
+      if tree:
+        abstract[name] = tree
+    try:
+      restored = manager.restore(step, args=ocp.args.Composite(
+          **{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+      raise UserError(f"checkpoint {path / 'checkpoints' / str(step)} does not match {path / 'config.yaml'} "
+                      f"({first[:200]})") from None
+  for name in abstract:
+    for p, value in _flatten(restored[name]):
+      variables[p].set_value(value)
+  return nnx.merge(graphdef, state), cfg, step
+
+
+def _nest(flat: dict) -> dict:
+  """{path tuple: leaf} → nested dicts (the pure-dict layout of an nnx State)."""
+  out: dict = {}
+  for path, leaf in flat.items():
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = leaf
+  return out
+
+
+def _flatten(tree: dict, prefix: tuple = ()):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flatten(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32",
+              max_shard_bytes: int = 5 * 10**9) -> list[str]:
+  """Writes the latest step of a jaxseek checkpoint as a Hugging Face folder; returns the files written."""
+  out = _new_folder(out)
+  model, cfg, _ = from_checkpoint(checkpoint)
+  arrays = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model))}
+  return hf.write_folder(out, cfg.model, arrays, dtype, max_shard_bytes)
+
+
+def describe(cfg: ModelConfig) -> str:
+  """One line naming the variant: attention, experts and routing, layer stacks, MTP, RoPE."""
+  if cfg.is_mla:
+    q = f"q_lora {cfg.q_lora_rank}" if cfg.q_lora_rank else "no q compression"
+    attn = f"MLA ({cfg.num_attention_heads} heads, {q}, kv_lora {cfg.kv_lora_rank})"
+  else:
+    kind = "MHA" if cfg.kv_heads == cfg.num_attention_heads else "GQA"
+    attn = f"{kind} ({cfg.num_attention_heads} heads, {cfg.kv_heads} kv heads, head dim {cfg.dense_head_dim})"
+  parts = [cfg.model_type, attn]
+  if cfg.is_moe:
+    groups = f", {cfg.n_group} groups keep {cfg.topk_group}" if cfg.n_group > 1 else ""
+    parts.append(f"MoE {cfg.n_routed_experts} routed + {cfg.n_shared_experts} shared experts, top-"
+                 f"{cfg.num_experts_per_tok} {cfg.scoring_func} {cfg.topk_method}{groups}")
+  parts.append(f"{cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE layers")
+  if cfg.num_nextn_predict_layers:
+    parts.append(f"MTP depth {cfg.num_nextn_predict_layers}")
+  if cfg.rope_scaling:
+    parts.append(f"YaRN ×{cfg.rope_scaling['factor']:g}")
+  return " · ".join(parts)
+
+
+def inspect(path: str | Path) -> list[str]:
+  """Lines describing a Hugging Face folder or a jaxseek checkpoint: the variant, then each tensor."""
+  path = Path(path)
+  if (path / "config.json").is_file():
+    folder = hf.Folder(path)
+    cfg = hf_model_config(folder)
+    lines = [f"Hugging Face folder {path} ({len(folder.files)} safetensors files)", f"variant: {describe(cfg)}"]
+    if any(folder.dtype(n) in fp8.FP8_DTYPES for n in folder.names()):
+      lines.append(f"FP8 e4m3 weights with {folder.block[0]}×{folder.block[1]} block scales (dequantised on load)")
+    return lines + [f"{n}  {list(folder.shape(n))}  {folder.dtype(n)}" for n in folder.names()]
+  if not (path / "config.yaml").is_file():
+    raise UserError(f"{path} has no config.json (Hugging Face model folder) or config.yaml (jaxseek checkpoint "
+                    "folder); pass the folder that holds one")
+  import orbax.checkpoint as ocp
+
+  cfg = config_lib.load(path / "config.yaml")
+  handlers = {**{name: ocp.StandardCheckpointHandler() for name in ITEMS}, "config": ocp.JsonCheckpointHandler()}
+  with ocp.CheckpointManager((path / "checkpoints").absolute(), item_names=tuple(handlers),
+                             item_handlers=handlers) as manager:
+    step = manager.latest_step()
+    if step is None:
+      raise UserError(f"{path / 'checkpoints'} holds no finished checkpoint step")
+    metadata = manager.item_metadata(step)
+    lines = [f"jaxseek checkpoint {path} (step {step})", f"variant: {describe(cfg.model)}"]
+    for name in ITEMS:
+      tree = metadata[name] if name in metadata else None
+      for p, leaf in _flatten(dict(tree) if tree else {}):
+        lines.append(f"{name}/{'.'.join(map(str, p))}  {list(leaf.shape)}  {np.dtype(leaf.dtype)}")
+  return lines

@@ -1,0 +1,212 @@
+"""Text or JSONL files → token shards + manifest.json (the format of jaxseek/input/shards.py).
+
+python scripts/prepare_data.py --input FILES_OR_GLOBS --tokenizer byte|PATH/tokenizer.json --out DIR [--shards N]
+
+A `.jsonl` file (optionally `.gz`) holds one JSON object per line whose `text` field is a document; any other
+file is one document. Document i (in the order of the sorted file list) goes to shard i mod N. Tokenisation runs
+in worker processes; the output does not depend on their number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import glob
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from jaxseek.errors import UserError, cli
+from jaxseek.input import shards as shards_lib
+from jaxseek.input import tokenize
+
+CHUNK_BYTES = 1 << 22  # text handed to a worker at a time
+
+
+def expand(patterns: Sequence[str]) -> list[Path]:
+  """Files named or matched (recursive `**` globs), each once, sorted; a pattern matching nothing is an error."""
+  files: set[Path] = set()
+  for pattern in patterns:
+    matched = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+    if not matched:
+      raise UserError(f"--input {pattern} matches no file; check the path or quote the glob")
+    files.update(matched)
+  return sorted(files)
+
+
+def _is_jsonl(path: Path) -> bool:
+  return path.name.endswith((".jsonl", ".jsonl.gz", ".ndjson"))
+
+
+def read_chunks(files: list[Path], text_field: str) -> Iterator[tuple[list[str], int]]:
+  """Yields (documents, input bytes they came from) in groups of about CHUNK_BYTES; empty documents are skipped."""
+  texts, size = [], 0
+  for path in files:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+      if _is_jsonl(path):
+        records = ((len(raw), _document(raw, path, number, text_field)) for number, raw in enumerate(f, 1))
+      else:
+        data = f.read()
+        records = [(len(data), data.decode("utf-8", "replace"))]
+      for record_size, text in records:
+        size += record_size
+        if text:
+          texts.append(text)
+        if size >= CHUNK_BYTES:
+          yield texts, size
+          texts, size = [], 0
+  if texts or size:
+    yield texts, size
+
+
+def _document(raw: bytes, path: Path, number: int, text_field: str) -> str:
+  if not raw.strip():
+    return ""
+  try:
+    record = json.loads(raw)
+  except ValueError:
+    raise UserError(f"{path}:{number} is not valid JSON; each line of a .jsonl file must be one JSON object") from None
+  text = record.get(text_field) if isinstance(record, dict) else None
+  if not isinstance(text, str):
+    raise UserError(f"{path}:{number} has no string field {text_field!r}; pass --text-field NAME to read another")
+  if not text.isascii():  # JSON escapes can hold lone surrogates, which UTF-8 cannot encode: they become "?"
+    text = text.encode("utf-8", "replace").decode("utf-8")
+  return text
+
+
+def _init_worker() -> None:
+  os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker process
+
+
+def encoded_chunks(tokenizer: tokenize.Tokenizer, chunks: Iterator[tuple[list[str], int]],
+                   workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+  """(tokens, lengths, input bytes) per chunk, in input order; with workers > 1, 2·workers chunks in flight."""
+  if workers <= 1:
+    for texts, size in chunks:
+      yield *tokenize.encode(tokenizer, texts), size
+    return
+  context = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
+  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker) as pool:
+    pending: collections.deque = collections.deque()
+    for texts, size in chunks:
+      pending.append((pool.submit(tokenize.encode, tokenizer, texts), size))
+      if len(pending) >= 2 * workers:
+        future, done_size = pending.popleft()
+        yield *future.result(), done_size
+    while pending:
+      future, done_size = pending.popleft()
+      yield *future.result(), done_size
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+  if out.exists() and not out.is_dir():
+    raise UserError(f"--out {out} is a file; choose a folder")
+  if (out / shards_lib.MANIFEST).exists():
+    if not overwrite:
+      raise UserError(f"{out} already holds prepared data; pass --overwrite or choose another --out")
+    (out / shards_lib.MANIFEST).unlink()  # first, so an interrupted rewrite is never read as data
+  out.mkdir(parents=True, exist_ok=True)
+  for stale in list(out.glob("shard-*.tokens")) + list(out.glob("shard-*.index")):
+    stale.unlink()
+
+
+def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int = 1, workers: int = 1,
+            text_field: str = "text", eos: str | None = None, overwrite: bool = False,
+            progress: bool = True) -> dict:
+  """Tokenises `inputs` into `shards` shards under `out`; returns the manifest (also written as manifest.json)."""
+  if shards < 1:
+    raise UserError(f"--shards {shards} must be ≥ 1")
+  files = expand(inputs)
+  tok = tokenize.resolve(tokenizer, eos)
+  out = Path(out)
+  _prepare_out(out, overwrite)
+  writers = [shards_lib.ShardWriter(out, s) for s in range(shards)]
+  total_bytes = sum(p.stat().st_size for p in files)
+  documents, start = 0, time.perf_counter()
+  with _Progress(total_bytes, progress) as bar:
+    for tokens, lengths, size in encoded_chunks(tok, read_chunks(files, text_field), workers):
+      if tokens.size and int(tokens.max()) >= tok.vocab_size:
+        raise UserError(f"--tokenizer {tokenizer} produced id {int(tokens.max())} ≥ its vocab size {tok.vocab_size}")
+      shard_of_doc = (documents + np.arange(len(lengths))) % shards
+      shard_of_token = np.repeat(shard_of_doc, lengths)
+      for s, writer in enumerate(writers):
+        writer.add(tokens[shard_of_token == s], lengths[shard_of_doc == s])
+      documents += len(lengths)
+      bar.advance(size)
+  entries = [w.close() for w in writers]
+  seconds = time.perf_counter() - start
+  manifest = {"format": shards_lib.FORMAT, "tokenizer": tok.manifest(), "vocab_size": tok.vocab_size,
+              "eos_id": tok.eos_id, "documents": documents, "tokens": sum(e["tokens"] for e in entries),
+              "input_bytes": total_bytes, "inputs": [str(p) for p in files], "shards": entries}
+  shards_lib.write_manifest(out, manifest)
+  if progress:
+    print(f"prepared {documents:,} documents, {manifest['tokens']:,} tokens from {total_bytes / 1e6:,.1f} MB in "
+          f"{seconds:.1f} s ({total_bytes / 1e6 / seconds:,.1f} MB/s, {manifest['tokens'] / seconds:,.0f} tokens/s) "
+          f"→ {out}", file=sys.stderr)
+  return manifest
+
+
+class _Progress:
+  """A rich progress bar over input bytes (MB/s), or nothing."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.bar = None
+    if enabled:
+      from rich import progress
+
+      self.bar = progress.Progress(progress.TextColumn("tokenising"), progress.BarColumn(),
+                                   progress.DownloadColumn(), progress.TransferSpeedColumn(),
+                                   progress.TimeRemainingColumn(), console=_stderr_console())
+      self.task = self.bar.add_task("tokenising", total=total)
+
+  def __enter__(self):
+    if self.bar:
+      self.bar.start()
+    return self
+
+  def advance(self, size: int) -> None:
+    if self.bar:
+      self.bar.advance(self.task, size)
+
+  def __exit__(self, *exc):
+    if self.bar:
+      self.bar.stop()
+
+
+def _stderr_console():
+  from rich.console import Console
+
+  return Console(stderr=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python scripts/prepare_data.py", description=__doc__.splitlines()[0])
+  parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE_OR_GLOB",
+                      help="text or .jsonl files (globs allowed, ** recursive)")
+  parser.add_argument("--tokenizer", required=True, help="byte, or the path of a Hugging Face tokenizer.json")
+  parser.add_argument("--out", required=True, help="output folder (data.source=DIR in a config)")
+  parser.add_argument("--shards", type=int, default=1, help="number of shards (default 1)")
+  parser.add_argument("--workers", type=int, help="tokenising processes (default: 1 for byte, else one per CPU)")
+  parser.add_argument("--text-field", default="text", help="JSONL field holding the document (default text)")
+  parser.add_argument("--eos", help="end-of-document token (default: from tokenizer_config.json or the vocabulary)")
+  parser.add_argument("--overwrite", action="store_true", help="replace prepared data already in --out")
+  parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+  return parser.parse_args(argv)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  workers = args.workers or (1 if args.tokenizer == "byte" else os.cpu_count() or 1)
+  prepare(args.input, args.tokenizer, args.out, args.shards, workers, args.text_field, args.eos,
+          args.overwrite, progress=not args.quiet)
+  return 0

@@ -1,0 +1,183 @@
+"""Checkpoints and faults: exact resume after SIGKILL and SIGTERM, resharding, bad steps, integrity."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import CONFIGS, load_config
+from jaxseek import checkpoint as checkpoint_lib
+from jaxseek import train as train_lib
+from jaxseek.errors import RunStopped, UserError
+from jaxseek.input import GlobalBatches
+from jaxseek.sharding.mesh import make_mesh
+
+RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=8",
+       "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "metrics.every=1", "optim.warmup_steps=5"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+  """Loss per step from metrics.jsonl; a step logged twice (before a kill and after the resume) keeps the last."""
+  out = {}
+  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    record = json.loads(line)
+    out[record["step"]] = record["loss"]
+  return out
+
+
+def start(run_dir, env, *extra):
+  return subprocess.Popen([sys.executable, *RUN, f"train.run_dir={run_dir}", *extra], env=env, cwd=run_dir.parent,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(proc, run_dir, step, timeout=300):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    path = run_dir / "metrics.jsonl"
+    if path.exists() and max(losses(run_dir), default=0) >= step:
+      return
+    assert proc.poll() is None, proc.stdout.read()
+    time.sleep(0.05)
+  raise AssertionError(f"step {step} not reached")
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, run_env):
+  run_dir = tmp_path_factory.mktemp("straight") / "run"
+  proc = start(run_dir, run_env, "train.steps=30", "checkpoint.every=5")
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out
+  return losses(run_dir)
+
+
+def test_resume_after_sigkill_is_exact(tmp_path, run_env, straight_run):
+  run_dir = tmp_path / "run"
+  proc = start(run_dir, run_env, "train.steps=30", "checkpoint.every=5")
+  wait_for_step(proc, run_dir, 20 + random.Random(os.getpid()).randrange(4))
+  proc.send_signal(signal.SIGKILL)  # no handler runs: a save may be in flight
+  proc.wait()
+  proc = start(run_dir, run_env, "train.steps=30", "checkpoint.every=5")
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out
+  resumed = int(out.split("resumed from step ")[1].split()[0])
+  assert resumed >= 15 and resumed % 5 == 0, out
+  after = losses(run_dir)
+  assert sorted(after) == sorted(straight_run)
+  assert [after[s] for s in range(resumed + 1, 31)] == [straight_run[s] for s in range(resumed + 1, 31)]  # bit for bit
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_zero(tmp_path, run_env, straight_run):
+  run_dir = tmp_path / "run"
+  proc = start(run_dir, run_env, "train.steps=30", "checkpoint.every=100")
+  wait_for_step(proc, run_dir, 8)
+  signalled = max(losses(run_dir))
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out
+  saved = int(out.split("saved step ")[1].split(";")[0])
+  assert signalled <= saved <= signalled + 3, out
+  assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == [str(saved)]
+  proc = start(run_dir, run_env, "train.steps=30", "checkpoint.every=100")
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0 and f"resumed from step {saved}" in out, out
+  after = losses(run_dir)
+  assert [after[s] for s in range(saved + 1, 31)] == [straight_run[s] for s in range(saved + 1, 31)]
+
+
+def run_steps(cfg, mesh, state, batches, trainer, n):
+  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  out = []
+  with jax.set_mesh(mesh):
+    for _ in range(n):
+      state, metrics = step_fn(state, next(batches))
+      out.append(float(metrics["loss"]))
+  return state, out
+
+
+@pytest.mark.parametrize("target", [("2", "1", "4"), ("1", "2", "4")], ids=["fsdp2_tensor4", "data2_fsdp4"])
+def test_checkpoint_reshards_onto_another_mesh(tmp_path, target):
+  base = ["checkpoint.async_save=false", f"train.run_dir={tmp_path}"]
+  cfg = load_config("tiny-v3", "mesh.data=1", "mesh.fsdp=8", *base)
+  mesh = make_mesh(cfg)
+  trainer, state = train_lib.init_state(cfg, mesh)
+  batches = GlobalBatches(cfg, mesh)
+  state, _ = run_steps(cfg, mesh, state, batches, trainer, 3)
+  ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints")
+  ckpt.save(3, state, batches.iterator)
+  ckpt.close()
+  _, expected = run_steps(cfg, mesh, state, batches, trainer, 2)
+
+  fsdp, data, tensor = target
+  new_cfg = load_config("tiny-v3", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", *base)
+  new_mesh = make_mesh(new_cfg)
+  new_trainer = train_lib.make_trainer(new_cfg, new_mesh)
+  new_batches = GlobalBatches(new_cfg, new_mesh)
+  restored = checkpoint_lib.Checkpointer(new_cfg, tmp_path / "checkpoints").restore(
+      3, new_trainer.abstract_state, new_trainer.state_shardings, new_batches.iterator)
+  assert int(restored.step) == 3
+  leaf = jax.tree.leaves(restored.params["dense_layers"])[0]
+  assert leaf.sharding.mesh.shape == new_mesh.shape
+  _, got = run_steps(new_cfg, new_mesh, restored, new_batches, new_trainer, 2)
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_nonfinite_loss_stops_and_checkpoints_stay_finite(tmp_path):
+  cfg = load_config("tiny-v3", "mesh.data=8", "optim.lr=1e4", "optim.warmup_steps=1", "optim.clip_norm=1e6",
+                    "train.steps=40", "checkpoint.every=1", "checkpoint.async_save=false", f"train.run_dir={tmp_path}")
+  with pytest.raises(RunStopped, match="parameters were not updated"):
+    train_lib.run(cfg)
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert records[-1]["nonfinite"] == 1
+  ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints", read_only=True)
+  mesh = make_mesh(cfg)
+  trainer = train_lib.make_trainer(cfg, mesh)
+  step = ckpt.latest_step()
+  assert step is not None and step < records[-1]["step"] + 1
+  restored = ckpt.restore(step, trainer.abstract_state, trainer.state_shardings, None, params_only=True)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored["params"]))
+
+
+def test_skip_mode_leaves_the_state_unchanged_on_bad_steps():
+  cfg = load_config("tiny-v3", "mesh.data=8", "train.on_nonfinite=skip")
+  mesh = make_mesh(cfg)
+  trainer, state = train_lib.init_state(cfg, mesh)
+  batch = next(GlobalBatches(cfg, mesh))
+  bad = dict(batch, loss_mask=batch["loss_mask"] * jnp.nan)
+  before = jax.tree.map(np.asarray, state.params)
+  with jax.set_mesh(mesh):
+    state, metrics = train_lib.compile_step(trainer, cfg, mesh)(state, bad)
+  assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1 and int(state.step) == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+
+
+def test_spike_detection():
+  window = jnp.asarray([2.0, 2.1, 1.9, 2.0])
+  assert bool(train_lib.is_spike(jnp.asarray(3.0), window, 3.0))
+  assert not bool(train_lib.is_spike(jnp.asarray(2.1), window, 3.0))
+  assert not bool(train_lib.is_spike(jnp.asarray(9.0), window.at[0].set(jnp.nan), 3.0))  # window not full yet
+  assert not bool(train_lib.is_spike(jnp.asarray(9.0), window, None))
+
+
+def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
+  cfg = load_config("tiny-v3", "mesh.data=8", "train.steps=2", "checkpoint.async_save=false",
+                    f"train.run_dir={tmp_path}")
+  train_lib.run(cfg)
+  other = load_config("tiny-v3", "mesh.data=8", "model.vocab_size=272", "train.steps=4", f"train.run_dir={tmp_path}")
+  with pytest.raises(UserError, match=r"model.vocab_size=264 but this run has model.vocab_size=272"):
+    train_lib.run(other)
+  (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save that never finished
+  assert checkpoint_lib.Checkpointer(cfg, tmp_path, read_only=True).latest_step() == 2
+  for path in (tmp_path / "checkpoints" / "2" / "params").rglob("*"):
+    if path.is_file() and path.stat().st_size > 0 and "zarray" not in path.name:
+      path.write_bytes(b"garbage")
+  with pytest.raises(UserError, match="cannot be restored|corrupt"):
+    train_lib.run(load_config("tiny-v3", "mesh.data=8", "train.steps=4", f"train.run_dir={tmp_path}"))

@@ -1,0 +1,115 @@
+"""Real multi-process runs: 2 local processes × 4 simulated CPU devices joined by jax.distributed (gloo)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import CONFIGS, ROOT, load_config
+from jaxseek.train import run
+
+COMMON = ["metrics.every=1", "optim.schedule=constant", "optim.warmup_steps=2", "checkpoint.every=3"]
+
+
+def losses(run_dir):
+  out = {}
+  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    record = json.loads(line)
+    out[record["step"]] = record["loss"]
+  return [out[s] for s in sorted(out)]
+
+
+def launch(run_dir, env, *overrides, timeout=600):
+  command = [sys.executable, str(ROOT / "scripts/launch_local.py"), "-n", "2", "--", sys.executable, "-m",
+             "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=4",
+             f"train.run_dir={run_dir}", *COMMON, *overrides]
+  proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+def reference(tmp_path, *overrides):
+  run(load_config("tiny-v3", f"train.run_dir={tmp_path / 'reference'}", *COMMON, *overrides))
+  return losses(tmp_path / "reference")
+
+
+def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, run_env):
+  mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+  out = launch(tmp_path / "run", run_env, *mesh, "train.steps=3")
+  assert "[0] process 0/2: 4 local of 8 cpu devices" in out and "[1] process 1/2: 4 local of 8 cpu devices" in out
+  out = launch(tmp_path / "run", run_env, *mesh, "train.steps=6")
+  assert "resumed from step 3" in out
+  saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "3" / "data").glob("process_*"))
+  assert saved == ["process_0-of-2.json", "process_1-of-2.json"]  # every process saved its own iterator state
+  np.testing.assert_allclose(losses(tmp_path / "run"), reference(tmp_path, *mesh, "train.steps=6"), rtol=1e-5)
+
+
+def test_two_processes_with_expert_axis(tmp_path, run_env):
+  mesh = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "train.steps=3"]
+  launch(tmp_path / "run", run_env, *mesh)
+  np.testing.assert_allclose(losses(tmp_path / "run"), reference(tmp_path, *mesh), rtol=1e-5)
+
+
+def test_tensor_axis_across_processes_is_refused(tmp_path, run_env):
+  command = [sys.executable, str(ROOT / "scripts/launch_local.py"), "-n", "2", "--", sys.executable, "-m",
+             "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=4",
+             f"train.run_dir={tmp_path}", "mesh.data=1", "mesh.tensor=8", "model.num_attention_heads=8",
+             "model.moe_intermediate_size=24"]
+  proc = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert "mesh.tensor=8 would span processes [0, 1]" in proc.stdout and "mesh.allow_cross_host=true" in proc.stdout
+
+
+PROBE = """
+import jax
+from jaxseek.config import DistConfig
+from jaxseek.sharding import mesh
+mesh.simulate_cpu_devices(4)
+assert mesh.initialize_distributed(DistConfig())
+print("joined", jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+"""
+
+
+def free_port():
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_slurm_environment_is_detected(run_env):
+  port = str(free_port())
+  procs = []
+  for i in range(2):
+    env = dict(run_env, SLURM_JOB_ID="42", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
+               SLURM_STEP_NODELIST="localhost", SLURM_NODELIST="localhost", JAX_COORDINATOR_PORT=port)
+    procs.append(subprocess.Popen([sys.executable, "-c", PROBE], env=env, stdout=subprocess.PIPE, text=True))
+  outputs = [p.communicate(timeout=120)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0]
+  assert "joined 0 2 4 8" in outputs[0] and "joined 1 2 4 8" in outputs[1]
+
+
+def test_a_dead_peer_ends_the_other_process(tmp_path, run_env):
+  port = free_port()
+  procs = []
+  for i in range(2):
+    env = dict(run_env, JAXSEEK_COORDINATOR=f"127.0.0.1:{port}", JAXSEEK_NUM_PROCESSES="2", JAXSEEK_PROCESS_ID=str(i))
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=4",
+         "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=100000", "metrics.every=1",
+         "train.step_timeout_s=20", f"train.run_dir={tmp_path}"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True))
+  deadline = time.monotonic() + 300
+  while not ((tmp_path / "metrics.jsonl").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) > 3):
+    assert time.monotonic() < deadline and procs[0].poll() is None
+    time.sleep(0.1)
+  procs[1].send_signal(signal.SIGKILL)
+  killed = time.monotonic()
+  out, _ = procs[0].communicate(timeout=120)
+  assert procs[0].returncode != 0, out[-2000:]
+  assert time.monotonic() - killed < 60, out[-2000:]
