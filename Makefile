@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(PIP) install -e ".[dev,convert]"
+	$(PIP) install -e ".[dev,convert,plot]"
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

@@ -17,6 +17,7 @@ so a checkpoint written on one mesh shape resumes on another.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -30,6 +31,18 @@ from jaxseek import config as config_lib
 from jaxseek.errors import UserError
 
 ITEMS = ("params", "biases", "opt_state", "train", "data", "config")
+# Orbax splits each replicated array's write across its replicas; every distinct slice shape costs a compile,
+# which on a first save of many small arrays blocks training for seconds. Only arrays whose per-replica slice
+# is at least this large are split; smaller ones are written by one replica.
+MIN_REPLICA_SLICE_BYTES = 64 << 20
+
+
+@functools.lru_cache(maxsize=None)  # once per process
+def _register_array_handler() -> None:
+  from orbax.checkpoint._src.metadata import array_metadata_store
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+                                                array_metadata_store=array_metadata_store.Store()), override=True)
 
 
 def _is_variable(x) -> bool:
@@ -62,6 +75,7 @@ class Checkpointer:
   """Saves and restores the train state, the data iterator and the config of one run."""
 
   def __init__(self, cfg: config_lib.Config, directory: str | Path, *, read_only: bool = False):
+    _register_array_handler()
     self.cfg = cfg
     self.directory = checkpoint_dir(directory).absolute()
     options = ocp.CheckpointManagerOptions(

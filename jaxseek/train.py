@@ -30,6 +30,7 @@ from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import faults
 from jaxseek.errors import RunStopped, UserError, cli
 from jaxseek.model.transformer import shift_left
+from jaxseek.sharding import explore_suggest
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding.rules import param_spec, shard
 
@@ -174,8 +175,14 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     metrics["moe_load_max_over_mean"] = max_over_mean_L.mean()
     metrics["moe_load_max_over_mean_worst"] = max_over_mean_L.max()
     metrics["moe_dropped_fraction"] = loads["dropped"].sum() / jnp.maximum(load_LE.sum(), 1.0)
+    metrics["moe_load_max_over_mean_by_layer"] = max_over_mean_L  # one value per MoE layer (lists in metrics.jsonl)
+    metrics["moe_dropped_fraction_by_layer"] = loads["dropped"] / jnp.maximum(load_LE.sum(-1), 1.0)
   if jax.tree.leaves(biases):
-    metrics["moe_bias_range"] = jnp.stack([(b.max(-1) - b.min(-1)).max() for b in jax.tree.leaves(biases)]).max()
+    ranges = [b.max(-1) - b.min(-1) for b in jax.tree.leaves(biases)]
+    metrics["moe_bias_range"] = jnp.stack([r.max() for r in ranges]).max()
+    by_layer = [r for r in ranges if r.ndim == 1]  # the MoE stack's [layers] (MTP biases give scalars)
+    if by_layer:
+      metrics["moe_bias_range_by_layer"] = by_layer[0]
   # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
@@ -340,7 +347,7 @@ class _Reporter:
     self.skipped = 0
 
   def __call__(self, step: int, metrics: dict[str, jax.Array], data_wait: float, extra: dict[str, float]) -> None:
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    values = {k: float(v) if v.ndim == 0 else v.tolist() for k, v in jax.device_get(metrics).items()}
     values.update(extra)
     self.skipped += int(values["skipped"])
     if values["nonfinite"] and self.cfg.train.on_nonfinite == "stop":
@@ -382,11 +389,17 @@ def main(argv: list[str] | None = None) -> int:
   try:
     run(cfg)
   except Exception as e:  # noqa: BLE001
+    advice = explore_suggest.explain_oom(cfg, e, path, overrides) if isinstance(e, jax.errors.JaxRuntimeError) \
+        else None
+    if advice is not None:  # out of device memory: say what would fit and how to explore it
+      e = UserError(advice)
     if multi_process:  # a peer is gone or this process failed: leave now, not after jax.distributed's shutdown wait
       if not isinstance(e, (UserError, RunStopped)):
         traceback.print_exc()
       print(f"error: process {jax.process_index()}: {e}".splitlines()[0], file=sys.stderr, flush=True)
       os._exit(2 if isinstance(e, UserError) else 1)
+    if advice is not None:
+      raise e from None
     raise
   return 0
 

@@ -1,0 +1,119 @@
+"""The sharding layout explorer: memory, layout and communication of a config on a mesh, without the hardware.
+
+python -m jaxseek.explore --config FILE [section.key=value ...] [--devices N] [--device-memory h100-80g]
+                          [--compile] [--suggest] [--json PATH] [--plot PATH.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from jaxseek import config as config_lib
+from jaxseek.errors import UserError, cli
+from jaxseek.sharding import explore
+from jaxseek.sharding import explore_report as report
+from jaxseek.sharding import explore_suggest
+
+COMPILE_MAX_DEVICES = 64  # simulated CPU devices: compile time and host memory grow with their number
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m jaxseek.explore", description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+  parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.fsdp=8 train.microbatches=4")
+  parser.add_argument("--devices", type=int, help="device count (fills a -1 mesh axis; required by --suggest "
+                      "unless the mesh is fixed)")
+  parser.add_argument("--device-memory", help=f"a device ({', '.join(explore.GPUS)}) or a size such as 80GiB; "
+                      f"default: the local accelerator, else {explore.DEFAULT_GPU}")
+  parser.add_argument("--peak-tflops", type=float, help="dense peak per device (default: from the device)")
+  parser.add_argument("--intra-node-gbps", type=float, help="link inside a node, gigabits/s per direction "
+                      "(default 3600: NVLink 4)")
+  parser.add_argument("--inter-node-gbps", type=float, help="link between nodes, gigabits/s per device "
+                      "(default 400: InfiniBand NDR)")
+  parser.add_argument("--devices-per-node", type=int, default=8)
+  parser.add_argument("--usable-fraction", type=float, default=0.9, help="share of device memory a run may fill")
+  parser.add_argument("--compile", action="store_true", help="also compile the real train step on simulated CPU "
+                      "devices and show XLA's memory and collectives beside the estimate")
+  parser.add_argument("--suggest", action="store_true", help="rank the meshes of --devices that fit")
+  parser.add_argument("--pipeline", action="store_true", help="--suggest: include pipeline-parallel meshes (the "
+                      "train step has no pipeline schedule yet)")
+  parser.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to show")
+  parser.add_argument("--json", help="write the result as JSON (schema in docs/explore.md)")
+  parser.add_argument("--plot", help="write a PNG of the memory per device and the parameter layouts")
+  return parser.parse_args(argv)
+
+
+def _devices(cfg: config_lib.Config, args: argparse.Namespace) -> int:
+  if args.devices:
+    return args.devices
+  sizes = cfg.mesh.sizes()
+  if -1 in sizes.values():
+    raise UserError("--suggest needs --devices N (how many devices to lay the model out on)")
+  return math.prod(sizes.values())
+
+
+def _simulate(n: int) -> None:
+  """--compile runs on simulated CPU devices; they must be requested before JAX starts."""
+  import jax
+
+  if n > COMPILE_MAX_DEVICES:
+    raise UserError(f"--compile simulates at most {COMPILE_MAX_DEVICES} CPU devices and this mesh has {n}; drop "
+                    f"--compile (the analytic answer covers any size) or compile a smaller mesh")
+
+  from jaxseek.sharding.mesh import simulate_cpu_devices
+
+  jax.config.update("jax_platforms", "cpu")
+  simulate_cpu_devices(n)
+
+
+def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
+  """The explorer's answer for the parsed command line, printed on the console; returns the JSON document."""
+  if args.compile:
+    _simulate(_devices(cfg, args) if args.suggest else math.prod(explore.mesh_sizes(cfg, args.devices).values()))
+  model = explore.describe(cfg)
+  hw = explore.hardware(args.device_memory, peak_tflops=args.peak_tflops, intra_node_gbps=args.intra_node_gbps,
+                        inter_node_gbps=args.inter_node_gbps, devices_per_node=args.devices_per_node,
+                        usable_fraction=args.usable_fraction)
+  suggestions = None
+  if args.suggest:
+    suggestions = explore_suggest.suggest(model, _devices(cfg, args), hw, args.top, args.pipeline)
+    report.print_suggestions(suggestions)
+    if not suggestions:
+      return {"schema": explore.SCHEMA, "total_parameters": model.total_parameters, "suggestions": []}
+    cfg = config_lib.load(args.config, list(args.overrides) + suggestions[0]["overrides"])
+    model = explore.describe(cfg)
+  sizes = explore.mesh_sizes(cfg, args.devices)
+  config_lib.check_mesh_fit(cfg, sizes)
+  result = explore.plan(model, sizes, hw)
+  if args.compile:
+    from jaxseek.sharding import explore_compile
+
+    result["compiled"] = explore_compile.compare(cfg, model, sizes, hw)
+  if suggestions is not None:
+    result["suggestions"] = suggestions
+  if not args.suggest or args.compile:
+    report.print_plan(result)
+  return result
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  if args.plot:
+    report.require_matplotlib()
+  cfg = config_lib.load(args.config, args.overrides)
+  result = run(cfg, args)
+  if args.json:
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+  if args.plot and "memory_per_device" in result:
+    report.plot(result, args.plot)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,143 @@
+"""The sharding layout explorer: does a model fit a mesh, what does each device hold, what moves between them.
+
+`describe(cfg)` builds the train state abstractly once; `plan(model, sizes, hw)` answers for one mesh given as
+axis sizes (no devices needed) with the layout of every parameter, the optimiser state and one layer's
+activations, the memory per device by kind, the collectives per mesh axis with their bytes and time, and the
+compute time. The result is the JSON document of `python -m jaxseek.explore --json` (docs/explore.md).
+Modules: explore_layout (placement), explore_memory, explore_comm, explore_compile (--compile),
+explore_suggest (--suggest, out-of-memory advice), explore_report (console tables, --plot).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from jaxseek.config import Config
+from jaxseek.errors import UserError
+from jaxseek.metrics import PEAK_TFLOPS
+from jaxseek.sharding import explore_comm as comm_lib
+from jaxseek.sharding import explore_layout as layout_lib
+from jaxseek.sharding import explore_memory as memory_lib
+from jaxseek.sharding.explore_comm import Hardware
+from jaxseek.sharding.explore_layout import Model, describe
+from jaxseek.sharding.mesh import resolve_sizes
+
+__all__ = ["GPUS", "Hardware", "Model", "describe", "hardware", "layout", "mesh_sizes", "plan"]
+
+SCHEMA = 1
+# Named devices: memory in MiB as the driver reports it, and the PEAK_TFLOPS key (dense bf16).
+GPUS = {"h100-80g": (81559, "h100"), "h800-80g": (81559, "h800"), "h200-141g": (143771, "h200"),
+        "a100-80g": (81920, "a100"), "a100-40g": (40960, "a100")}
+DEFAULT_GPU = "h100-80g"
+_SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*(gib|gb|mib|mb|tib|tb|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "mb": 1e6, "gb": 1e9, "tb": 1e12, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def hardware(device_memory: str | None = None, *, peak_tflops: float | None = None,
+             intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
+             devices_per_node: int = 8, usable_fraction: float = 0.9) -> Hardware:
+  """A named GPU ("h100-80g"), a size ("80GiB", "75GB", "7.5e10"), or None: the local accelerator if there is
+  one, else h100-80g."""
+  name, memory, peak = _device(device_memory)
+  links = {k: v for k, v in (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps)) if v}
+  return Hardware(name, memory, peak_tflops or peak, devices_per_node=devices_per_node,
+                  usable_fraction=usable_fraction, **links)
+
+
+def _device(device_memory: str | None) -> tuple[str, int, float]:
+  if device_memory is None:
+    detected = _detect()
+    if detected:
+      return detected
+    device_memory = DEFAULT_GPU
+  key = device_memory.strip().lower()
+  if key in GPUS:
+    mib, peak_key = GPUS[key]
+    return key, mib * 2**20, PEAK_TFLOPS[peak_key]
+  match = _SIZE.match(key)
+  if not match:
+    raise UserError(f"--device-memory {device_memory!r} is neither a known device ({', '.join(GPUS)}) nor a size "
+                    f"like 80GiB or 75GB")
+  nbytes = int(float(match.group(1)) * _UNITS[(match.group(2) or "gb").lower()])
+  return f"{device_memory.strip()} device", nbytes, PEAK_TFLOPS[GPUS[DEFAULT_GPU][1]]
+
+
+def _detect() -> tuple[str, int, float] | None:
+  """The local accelerator's name, memory limit and peak, when JAX sees one."""
+  import jax
+
+  device = jax.local_devices()[0]
+  if device.platform == "cpu":
+    return None
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  kind = device.device_kind.lower().replace(" ", "")
+  peak = next((v for k, v in PEAK_TFLOPS.items() if k in kind), PEAK_TFLOPS[GPUS[DEFAULT_GPU][1]])
+  return (device.device_kind, int(limit), peak) if limit else None
+
+
+def mesh_sizes(cfg: Config, devices: int | None) -> dict[str, int]:
+  """The configured mesh with its -1 axis filled for `devices` (default: the product of the fixed axes)."""
+  sizes = cfg.mesh.sizes()
+  if devices is None:
+    auto = [a for a, s in sizes.items() if s == -1]
+    if auto:
+      raise UserError(f"mesh.{auto[0]} is -1 (auto); pass --devices N so the explorer can size it, or set "
+                      f"mesh.{auto[0]} explicitly")
+    devices = math.prod(sizes.values())
+  return resolve_sizes(cfg.mesh, devices)
+
+
+def plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu",
+         pipeline_split: bool = True) -> dict[str, Any]:
+  """The whole analysis of one mesh as a JSON-ready dict (schema in docs/explore.md)."""
+  cfg = model.cfg
+  split = sizes if pipeline_split else layout_lib.as_built(sizes)
+  memory = memory_lib.memory(model, sizes, platform, pipeline_split)
+  comm = comm_lib.communication(model, split, hw, memory["stage"])
+  compute = comm_lib.compute_seconds(model, split, hw)
+  usable = int(hw.memory_bytes * hw.usable_fraction)
+  t = cfg.train
+  return {
+      "schema": SCHEMA,
+      "model": {"model_type": cfg.model.model_type, "layers": cfg.model.num_hidden_layers,
+                "dense_layers": cfg.model.num_dense_layers, "moe_layers": cfg.model.num_moe_layers,
+                "mtp_layers": cfg.model.num_nextn_predict_layers},
+      "total_parameters": model.total_parameters,
+      "mtp_parameters": model.mtp_parameters,
+      "mesh": dict(sizes),
+      "devices": math.prod(sizes.values()),
+      "pipeline": "layers split over stages (analytic)" if pipeline_split and sizes["pipeline"] > 1 else "none",
+      "train": {"batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
+                "remat": t.remat, "compute_dtype": t.compute_dtype, "param_dtype": t.param_dtype},
+      "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,
+                   "peak_tflops": hw.peak_tflops, "intra_node_gbps": hw.intra_node_gbps,
+                   "inter_node_gbps": hw.inter_node_gbps, "devices_per_node": hw.devices_per_node},
+      "parameters": _ordered(layout_lib.parameter_rows(model, sizes, pipeline_split)),
+      "optimizer": _ordered(layout_lib.optimizer_rows(model, sizes, pipeline_split)),
+      "activations": memory_lib.activation_rows(cfg, split, platform),
+      "memory_per_device": memory["bytes"],
+      "memory": {"stage": memory["stage"], "stages": memory["stages"], "layers_on_stage": memory["layers_on_stage"],
+                 "fits": memory["bytes"]["total"] <= usable, "platform": platform},
+      "communication": comm,
+      "compute": compute,
+      "step_time_s": comm_lib.step_seconds(compute, comm),
+  }
+
+
+def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Rows in model order: embedding, dense stack, MoE stack, final norm, head, multi-token prediction."""
+  order = {s: i for i, s in enumerate(layout_lib.STACKS)}
+  return sorted(rows, key=lambda r: order.get(r["stack"], len(order)))
+
+
+def layout(result: dict[str, Any]) -> dict[str, Any]:
+  """The part of a plan that only the rules and shapes decide (the golden files of the tests)."""
+  keep = ("name", "shape", "dtype", "logical_axes", "mesh_axes", "placement", "bytes_per_device")
+  return {"mesh": result["mesh"], "total_parameters": result["total_parameters"],
+          "parameters": [{k: r[k] for k in keep} for r in result["parameters"]],
+          "optimizer": result["optimizer"],
+          "activations": [{k: r[k] for k in ("name", "layer", "shape", "placement", "bytes_per_device")}
+                          for r in result["activations"]],
+          "state_bytes_per_device": {k: result["memory_per_device"][k] for k in ("parameters", "optimizer")}}

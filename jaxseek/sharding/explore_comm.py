@@ -1,0 +1,158 @@
+"""Communication per step: the collectives each mesh axis implies, bytes per device, and time on the links.
+
+Per device and step, with m microbatches, passes = 2 (forward, backward) or 3 (remat recomputes the forward),
+n = the axis size, and ring algorithms (an all-gather or reduce-scatter moves (n−1)/n of the whole, an
+all-reduce twice that):
+
+  fsdp      all-gather of every fsdp-split weight, once per pass and microbatch (compute dtype);
+            reduce-scatter of their gradients per microbatch (parameter dtype)
+  data, expert, context, fsdp
+            all-reduce of the gradients of weights replicated on the axis (every batch axis splits the batch)
+  tensor    all-reduce of x[B, T, D] partial sums: 2 per layer and pass (attention out, MLP / MoE out), plus the
+            embedding lookup and the head's input gradient
+  expert    all-to-all of the MoE dispatch buffers [P·C, D]: out and back, per MoE layer and pass
+  context   all-gather of the keys and values per layer and pass (their gradients reduce-scattered)
+  pipeline  collective-permute of x[B, T, D] to the next stage and of its gradient back, per microbatch
+
+An axis's links are intra-node when the devices of one group (the axis and every axis inside it) fit in a node.
+Step time = compute + Σ collectives, assuming no overlap (a pessimistic bound; XLA overlaps some of it), where
+compute = FLOPs / peak, stretched by the pipeline bubble (m + stages − 1) / m.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxseek.config import MESH_AXES
+from jaxseek.sharding import explore_layout as ex
+from jaxseek.sharding import explore_memory as em
+
+BATCH_AXES = ("data", "fsdp", "expert", "context")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """The device and its links: memory in bytes, dense bf16 peak in TFLOP/s, bandwidths in GB/s per direction."""
+
+  name: str
+  memory_bytes: int
+  peak_tflops: float
+  intra_node_gbps: float = 3600.0  # gigabits/s: NVLink 4, 450 GB/s per direction
+  inter_node_gbps: float = 400.0  # gigabits/s: one 400G InfiniBand NDR port per GPU
+  devices_per_node: int = 8
+  usable_fraction: float = 0.9  # of memory_bytes, leaving room for XLA's workspace and fragmentation
+
+  def link(self, axis: str, sizes: dict[str, int]) -> str:
+    inner = math.prod(sizes[a] for a in MESH_AXES[MESH_AXES.index(axis):])
+    return "intra-node" if inner <= self.devices_per_node else "inter-node"
+
+  def seconds(self, nbytes: float, link: str) -> float:
+    gbps = self.intra_node_gbps if link == "intra-node" else self.inter_node_gbps
+    return nbytes * 8 / (gbps * 1e9)
+
+
+def communication(model: ex.Model, sizes: dict[str, int], hw: Hardware,
+                  stage: int = 0) -> dict[str, list[dict[str, Any]]]:
+  """{mesh axis: [{collective, what, count, bytes_per_device, link, time_s}]} for one step on `stage`."""
+  cfg = model.cfg
+  micro = cfg.train.microbatches
+  passes = 3 if cfg.train.remat == "full" else 2
+  stages = ex.stage_layers(cfg, sizes["pipeline"])
+  items: list[tuple[str, str, str, int, float]] = []
+  items += _weights(model, sizes, stage, stages, micro, passes)
+  items += _activations(cfg, sizes, stages[stage], stage == len(stages) - 1, micro, passes)
+  out: dict[str, list[dict[str, Any]]] = {}
+  for axis, collective, what, count, nbytes in items:
+    if sizes[axis] == 1 or nbytes == 0:
+      continue
+    link = hw.link(axis, sizes)
+    out.setdefault(axis, []).append({"collective": collective, "what": what, "count": count,
+                                     "bytes_per_device": int(nbytes), "link": link,
+                                     "time_s": hw.seconds(nbytes, link)})
+  return out
+
+
+def _weights(model: ex.Model, sizes, stage, stages, micro, passes):
+  """All-gathers of fsdp-split weights and the gradient reductions over the batch axes."""
+  units = _weight_units(model, sizes, stage, stages)
+  scale = {"all-gather": passes * micro, "reduce-scatter": micro, "all-reduce": micro}
+  return [(axis, kind, what, count * scale[kind], nbytes * scale[kind]) for axis, kind, what, count, nbytes in units]
+
+
+def _weight_units(model: ex.Model, sizes, stage, stages):
+  """_weights for one microbatch and one pass (remembered per mesh and stage)."""
+  key = ("weights", tuple(sizes[a] for a in MESH_AXES), stage, len(stages), model.cfg.train.compute_dtype)
+  if key in model.memo:
+    return model.memo[key]
+  c = em.ITEMSIZE[model.cfg.train.compute_dtype]
+  gather = scatter = 0.0
+  reduce = dict.fromkeys(BATCH_AXES, 0.0)
+  split_count = dict.fromkeys(BATCH_AXES, 0)
+  total = 0
+  for leaf in model.leaves:
+    count = ex.on_stage(leaf, stage, stages)
+    if leaf.kind != "params" or count == 0:
+      continue
+    total += 1
+    shard = ex.leaf_bytes(leaf, sizes, count)
+    split = {a for axes in leaf.axes for a in axes}
+    for axis in BATCH_AXES:
+      n = sizes[axis]
+      if axis == "fsdp" and axis in split:
+        gather += (n - 1) * shard // leaf.itemsize * c
+        scatter += (n - 1) * shard
+      elif axis not in split:
+        reduce[axis] += 2 * (n - 1) / n * shard
+      split_count[axis] += axis in split
+  units = [("fsdp", "all-gather", "weights before use", split_count["fsdp"], gather),
+           ("fsdp", "reduce-scatter", "weight gradients", split_count["fsdp"], scatter)]
+  units += [(axis, "all-reduce", "gradients of weights replicated on the axis", total - split_count[axis],
+             reduce[axis]) for axis in BATCH_AXES]
+  model.memo[key] = units
+  return units
+
+
+def _activations(cfg, sizes, layers: dict[str, int], last: bool, micro, passes):
+  """Tensor-parallel partial sums, expert dispatch, context key/value gathers, pipeline sends."""
+  m = cfg.model
+  batch = cfg.train.batch_size // micro
+  x = em.attention_tensors(cfg, batch)[0].bytes(sizes)
+  n_layers = layers["dense_layers"] + layers["moe_layers"] + (m.num_nextn_predict_layers if last else 0)
+  moe_layers = layers["moe_layers"] + (m.num_nextn_predict_layers if last and m.is_moe else 0)
+  t, p, ctx = sizes["tensor"], sizes["expert"], sizes["context"]
+  items = [("tensor", "all-reduce", "x[B,T,D] partial sums (attention out, MLP out; embedding, head)",
+            micro * (2 * passes * n_layers + 2), micro * (2 * passes * n_layers + 2) * 2 * (t - 1) / t * x)]
+  if m.is_moe and moe_layers:
+    rows = next(tt for tt in em.dispatch_tensors(cfg, sizes, batch, "gpu") if tt.name == "dispatch rows")
+    buffer = rows.bytes(sizes) + rows.dims[0] * 4  # the rows and their local expert ids
+    count = micro * 2 * passes * moe_layers
+    items.append(("expert", "all-to-all", "MoE dispatch buffers [P·C, D], out and back", count,
+                  count * (p - 1) / p * buffer))
+  if ctx > 1:
+    kv = sum(tt.bytes(sizes) * tt.copies for tt in em.attention_tensors(cfg, batch)
+             if tt.name in ("k, v", "kv latent"))
+    items.append(("context", "all-gather", "keys and values (gradients reduce-scattered)", micro * passes * n_layers,
+                  micro * passes * n_layers * (ctx - 1) * kv))
+  if sizes["pipeline"] > 1:
+    items.append(("pipeline", "collective-permute", "x[B,T,D] to the next stage, its gradient back", 2 * micro,
+                  2 * micro * x))
+  return items
+
+
+def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dict[str, float]:
+  """FLOPs per device per step, the time at peak, and the pipeline bubble's share."""
+  cfg = model.cfg
+  flops = model.flops_per_token * cfg.train.batch_size * cfg.train.seq_len
+  if cfg.train.remat == "full":
+    flops *= 4 / 3  # the forward runs twice
+  per_device = flops / math.prod(sizes.values())
+  seconds = per_device / (hw.peak_tflops * 1e12)
+  stages, micro = sizes["pipeline"], cfg.train.microbatches
+  bubble = seconds * (stages - 1) / micro
+  return {"flops_per_device": per_device, "time_s": seconds, "bubble_s": bubble}
+
+
+def step_seconds(compute: dict[str, float], comm: dict[str, list[dict[str, Any]]]) -> float:
+  return compute["time_s"] + compute["bubble_s"] + sum(c["time_s"] for items in comm.values() for c in items)

@@ -1,0 +1,139 @@
+"""Ahead-of-time compilation of the real train step for a mesh, on simulated CPU devices (`--compile`).
+
+Lowers and compiles `train.compile_step` with abstract inputs (nothing is allocated), then reads XLA's memory
+analysis and the collectives of the compiled module. Each collective's replica groups (or source → target
+pairs) are mapped back to the mesh axes along which its devices differ: logical device i of the SPMD program
+is the mesh position np.unravel_index(i, mesh shape).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxseek.config import MESH_AXES, Config
+from jaxseek.errors import UserError
+from jaxseek.input.pipeline import BATCH_KEYS, batch_shardings
+
+COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+_IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)")
+_LIST_GROUPS = re.compile(r"(replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+
+
+TEMP_KINDS = ("gradients", "activations", "moe_dispatch", "gathered_weights")
+
+
+def compare(cfg: Config, model, sizes: dict[str, int], hw) -> dict[str, Any]:
+  """XLA's figures for the compiled step beside the analytic ones for what it compiles (the mesh as built,
+  the CPU expert path): arguments = state + batch, temporaries = gradients + activations + MoE buffers +
+  gathered weights."""
+  from jaxseek.sharding import explore
+
+  built = explore.plan(model, sizes, hw, platform="cpu", pipeline_split=False)
+  got = compile_train_step(cfg, sizes)
+  mem = built["memory_per_device"]
+  return {**got, "predicted_argument_bytes": mem["parameters"] + mem["optimizer"] + mem["other"] + got["batch_bytes"],
+          "predicted_temp_bytes": sum(mem[k] for k in TEMP_KINDS),
+          "predicted_collectives": expected_collectives(built["communication"])}
+
+
+def expected_collectives(communication: dict[str, list[dict[str, Any]]]) -> dict[str, list[str]]:
+  """{collective: [mesh axes]} the analytic model implies; XLA:CPU emits a reduce-scatter as an all-reduce."""
+  out: dict[str, set[str]] = {}
+  for axis, items in communication.items():
+    for item in items:
+      out.setdefault(item["collective"], set()).add(axis)
+      if item["collective"] == "reduce-scatter":
+        out.setdefault("all-reduce", set()).add(axis)
+  return {kind: sorted(axes) for kind, axes in out.items()}
+
+
+def compile_train_step(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
+  """Compiles the train step on the first prod(sizes) devices; returns XLA's memory figures and collectives."""
+  from jaxseek import train as train_lib
+  from jaxseek.sharding import mesh as mesh_lib
+
+  n = int(np.prod(list(sizes.values())))
+  if jax.device_count() < n:
+    raise UserError(f"--compile needs {n} devices but JAX sees {jax.device_count()}; on a CPU machine pass "
+                    f"mesh.num_cpu_devices={n} (simulated devices) or use a smaller mesh")
+  mesh = mesh_lib.make_mesh(cfg, jax.devices()[:n])
+  trainer = train_lib.make_trainer(cfg, mesh)
+  step = train_lib.compile_step(trainer, cfg, mesh)
+  shape = (cfg.train.batch_size, cfg.train.seq_len)
+  dtypes = {"loss_mask": jnp.float32}
+  batch = {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=s)
+           for k, s in batch_shardings(mesh).items() if k in BATCH_KEYS}
+  with jax.set_mesh(mesh):
+    compiled = step.lower(trainer.abstract_state, batch).compile()
+  stats = compiled.memory_analysis()
+  text = compiled.as_text()
+  batch_bytes = sum(int(np.prod(s.sharding.shard_shape(shape))) * np.dtype(s.dtype).itemsize for s in batch.values())
+  return {"argument_bytes": stats.argument_size_in_bytes, "output_bytes": stats.output_size_in_bytes,
+          "alias_bytes": stats.alias_size_in_bytes, "temp_bytes": stats.temp_size_in_bytes,
+          "batch_bytes": batch_bytes, "collectives": count_collectives(text, tuple(mesh.devices.shape)),
+          "collective_total": dict(Counter(m.group(1) for m in COLLECTIVE.finditer(text)))}
+
+
+def count_collectives(text: str, mesh_shape: tuple[int, ...]) -> dict[str, dict[str, int]]:
+  """{collective: {mesh axes it spans ("data+fsdp"; "-" for single-device groups): count}} of an HLO text."""
+  out: dict[str, Counter] = {}
+  for line in text.splitlines():
+    match = COLLECTIVE.search(line)
+    if not match:
+      continue
+    axes = collective_axes(line, mesh_shape)
+    label = "+".join(axes) if axes else "-"
+    if axes is None:
+      label = "?"
+    out.setdefault(match.group(1), Counter())[label] += 1
+  return {kind: dict(counts) for kind, counts in out.items()}
+
+
+def collective_axes(line: str, mesh_shape: tuple[int, ...]) -> tuple[str, ...] | None:
+  """The mesh axes along which the devices of one collective's groups differ (None: groups not understood)."""
+  groups = device_groups(line)
+  if groups is None:
+    return None
+  varying = set()
+  for group in groups:
+    coords = np.array(np.unravel_index(np.asarray(group, dtype=np.int64), mesh_shape)).T
+    varying.update(int(i) for i in np.nonzero((coords != coords[:1]).any(axis=0))[0])
+  return tuple(MESH_AXES[i] for i in sorted(varying))
+
+
+def device_groups(line: str) -> list[list[int]] | None:
+  """Device groups from replica_groups (list, iota or mesh form) or collective-permute source → target pairs."""
+  match = _MESH_GROUPS.search(line)
+  if match:
+    names, sizes = zip(*((k.strip("'"), int(v)) for k, v in (p.split("=") for p in match.group(1).split(","))))
+    ids = _iota(match.group(2)) if match.group(2) else np.arange(int(np.prod(sizes)))
+    grid = ids.reshape(sizes)
+    grouped = [names.index(a.strip().strip("'")) for a in match.group(3).split(",") if a.strip()]
+    kept = [i for i in range(len(sizes)) if i not in grouped]
+    return np.transpose(grid, kept + grouped).reshape(-1, int(np.prod([sizes[i] for i in grouped]))).tolist()
+  match = _IOTA_GROUPS.search(line)
+  if match:
+    return _iota(match.group(3)).reshape(int(match.group(1)), int(match.group(2))).tolist()
+  match = _LIST_GROUPS.search(line)
+  if match:
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", match.group(2))]
+    return [g for g in groups if g] or [[0]]
+  return None
+
+
+def _iota(text: str) -> np.ndarray:
+  """The device list of an iota form "[d0,d1,...]T(p0,p1,...)": arange reshaped, transposed, flattened."""
+  match = _IOTA.fullmatch(text.strip())
+  dims = [int(x) for x in match.group(1).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if match.group(2):
+    ids = ids.transpose([int(x) for x in match.group(2).split(",")])
+  return ids.reshape(-1)

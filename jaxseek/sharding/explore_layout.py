@@ -1,0 +1,250 @@
+"""The explorer's layout: every array of the train state, where it lives on the mesh, and its bytes per device.
+
+Everything here is analytic and needs no devices: shapes come from the train state built abstractly
+(`train.make_trainer` on one device, `nnx.eval_shape` inside), placements from the rules tables in
+`sharding/rules.py`, and the mesh is nothing but axis sizes, so 2048 "devices" are as cheap as 8.
+
+A parameter's place on the mesh is written in the scaling-book notation: `w_gate[L, D_fsdp, F_tensor]` splits
+D over the fsdp axis and F over tensor; only axes larger than 1 are shown.
+
+The pipeline axis: the rules map "stages" to it, but the model has no stage axis yet, so the explorer splits
+each layer stack's layers over it (contiguous stages, the embedding on the first, the head and the
+multi-token-prediction layers on the last) and reports the heaviest stage. The real train step replicates over
+`pipeline` until a schedule exists; `as_built(sizes)` is the mesh that describes what it compiles today.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh
+
+from jaxseek.config import MESH_AXES, Config
+from jaxseek.sharding.rules import PARAM_RULES, Rules, spec
+
+STACKS = ("embed", "dense_layers", "moe_layers", "final_norm", "head_DV", "mtp_layers")
+LAYER_STACKS = ("dense_layers", "moe_layers")
+LAST_STAGE = ("final_norm", "head_DV", "mtp_layers")
+# One letter per logical axis (the shape-suffix key in jaxseek/model); "head_dim" and unnamed dimensions take
+# the letter of the variable's own suffix (H, R or P; E for the router).
+LETTERS = {"embed": "D", "vocab": "V", "heads": "N", "kv_heads": "G", "q_lora": "Q", "kv_lora": "C", "mlp": "F",
+           "expert_mlp": "M", "experts": "E", "layers": "L", "batch": "B", "length": "T"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One array of the train state: its global shape and the mesh axes each dimension is split over."""
+
+  kind: str  # "params", "biases", "opt_state" or "other" (step, counters, loss window)
+  path: str  # "moe_layers.blocks.attn.w_q_DNH"; optimiser moments are prefixed by their slot ("mu.", "nu.")
+  shape: tuple[int, ...]
+  dtype: str
+  itemsize: int
+  names: tuple[str | None, ...]  # logical axes ((None, ...) for replicated leaves)
+  axes: tuple[tuple[str, ...], ...]  # mesh axes per dimension, from the rules
+  stack: str | None  # which of STACKS holds it (None: every stage holds it)
+  letters: str  # one shape letter per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """What the analysis needs from a config, computed once: every state leaf, counts and FLOPs."""
+
+  cfg: Config
+  leaves: tuple[Leaf, ...]
+  total_parameters: int
+  mtp_parameters: int
+  flops_per_token: float  # training (forward + backward) FLOPs per token, metrics.flops_per_token
+  memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # per-mesh results (suggest)
+
+  def with_train(self, **changes) -> "Model":
+    """The same model under other train settings (microbatches, remat): the state does not change."""
+    cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, **changes))
+    return dataclasses.replace(self, cfg=cfg)
+
+
+def describe(cfg: Config, rules: Rules = PARAM_RULES) -> Model:
+  """Builds the train state abstractly (nothing allocated) and records every leaf with its placement."""
+  from jaxseek import metrics as metrics_lib
+  from jaxseek import train as train_lib
+
+  trainer = train_lib.make_trainer(cfg, one_device_mesh())
+  state = trainer.abstract_state
+  leaves = []
+  for kind in ("params", "biases", "opt_state"):
+    for path, var in _flatten(getattr(state, kind)):
+      leaves.append(_leaf(kind, path, var, rules))
+  for kind in ("step", "loss_window"):
+    value = getattr(state, kind)
+    leaves.append(_leaf("other", kind, value, rules))
+  total = sum(math.prod(x.shape) for x in leaves if x.kind == "params")
+  mtp = sum(math.prod(x.shape) for x in leaves if x.kind == "params" and x.stack == "mtp_layers")
+  flops = metrics_lib.flops_per_token(cfg, state.params)
+  return Model(cfg, tuple(leaves), total, mtp, flops)
+
+
+def one_device_mesh() -> Mesh:
+  """A mesh of size 1 on every axis: the abstract state's shapes do not depend on the mesh."""
+  device = np.array(jax.devices()[:1], dtype=object).reshape((1,) * len(MESH_AXES))
+  return Mesh(device, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _flatten(tree) -> list[tuple[str, Any]]:
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  return [(_path(path), leaf) for path, leaf in flat]
+
+
+def _path(path) -> str:
+  parts = []
+  for key in path:
+    name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
+    parts.append(str(name))
+  return ".".join(parts)
+
+
+def _leaf(kind: str, path: str, value, rules: Rules) -> Leaf:
+  shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+  names = tuple(value.get_metadata()["logical_axes"]) if isinstance(value, nnx.Variable) else (None,) * len(shape)
+  axes = tuple(_entry_axes(entry) for entry in spec(names, rules)) if any(names) else ((),) * len(shape)
+  if kind == "opt_state":
+    slot = next((p for p in path.split(".") if p in ("mu", "nu")), None)
+    path = f"{slot}." + path.split(f".{slot}.", 1)[1] if slot else path
+  stack = next((p for p in path.split(".") if p in STACKS), None) if kind != "other" else None
+  return Leaf(kind, path, shape, dtype.name, dtype.itemsize, names, axes, stack, _letters(path, names))
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _letters(path: str, names: tuple[str | None, ...]) -> str:
+  """Shape letters: the logical axis's letter, else the variable's own suffix letter at that position."""
+  name = path.rsplit(".", 1)[-1]
+  suffix = name.rsplit("_", 1)[-1] if "_" in name else ""
+  body = [n for n in names if n != "layers"]
+  own = suffix if suffix.isupper() and len(suffix) == len(body) else "?" * len(body)
+  out, i = [], 0
+  for n in names:
+    if n == "layers":
+      out.append("L")
+      continue
+    out.append(LETTERS.get(n) if n in LETTERS else own[i])
+    i += 1
+  return "".join(out)
+
+
+# --------------------------------------------------------------------------------------------- placement
+
+
+def as_built(sizes: dict[str, int]) -> dict[str, int]:
+  """The mesh the real train step compiles today: the pipeline axis only replicates (no schedule yet)."""
+  return {**sizes, "pipeline": 1}
+
+
+def stage_layers(cfg: Config, pipeline: int) -> list[dict[str, int]]:
+  """Layers of each stack on each pipeline stage: the layer sequence (dense, then MoE) cut into `pipeline`
+  contiguous stages, the first `L mod pipeline` stages one layer longer."""
+  m = cfg.model
+  order = ["dense_layers"] * m.num_dense_layers + ["moe_layers"] * m.num_moe_layers
+  bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(len(order)), pipeline)])
+  return [{s: order[lo:hi].count(s) for s in LAYER_STACKS} for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def leaf_bytes(leaf: Leaf, sizes: dict[str, int], layers: int | None = None) -> int:
+  """Bytes of one device's shard; `layers` replaces a stacked leaf's layer count (its stage's share)."""
+  total = leaf.itemsize
+  for dim, axes, name in zip(leaf.shape, leaf.axes, leaf.names):
+    if name == "layers" and layers is not None:
+      dim = layers
+    total *= -(-dim // math.prod(sizes[a] for a in axes))
+  return total
+
+
+def on_stage(leaf: Leaf, stage: int, layers: list[dict[str, int]]) -> int | None:
+  """The leaf's layer count on `stage` (0: the stage does not hold it; None: held whole)."""
+  if leaf.stack in LAYER_STACKS:
+    return layers[stage][leaf.stack]
+  if leaf.stack == "embed" and stage != 0:
+    return 0
+  if leaf.stack in LAST_STAGE and stage != len(layers) - 1:
+    return 0
+  return None
+
+
+def stage_state_bytes(model: Model, sizes: dict[str, int], stage: int,
+                      layers: list[dict[str, int]]) -> dict[str, int]:
+  """Bytes per device of each kind of state leaf on one pipeline stage (remembered per mesh)."""
+  key = ("state", tuple(sizes[a] for a in MESH_AXES), stage, len(layers))
+  if key not in model.memo:
+    out = {"params": 0, "biases": 0, "opt_state": 0, "other": 0}
+    for leaf in model.leaves:
+      count = on_stage(leaf, stage, layers)
+      if count != 0:
+        out[leaf.kind] += leaf_bytes(leaf, sizes, count)
+    model.memo[key] = out
+  return model.memo[key]
+
+
+def notation(leaf_name: str, letters: str, axes: tuple[tuple[str, ...], ...], sizes: dict[str, int],
+             pipeline_layers: bool = False) -> str:
+  """Scaling-book placement, e.g. `w_gate[L, D_fsdp, F_tensor]`; axes of size 1 are left out."""
+  parts = []
+  for letter, dim_axes in zip(letters, axes):
+    used = [a for a in dim_axes if sizes[a] > 1]
+    if letter == "L" and pipeline_layers and sizes["pipeline"] > 1:
+      used = ["pipeline"]
+    parts.append(letter if not used else f"{letter}_{used[0]}" if len(used) == 1 else f"{letter}_({','.join(used)})")
+  base = leaf_name.rsplit("_", 1)[0] if "_" in leaf_name and leaf_name.rsplit("_", 1)[1].isupper() else leaf_name
+  return f"{base}[{', '.join(parts)}]"
+
+
+def parameter_rows(model: Model, sizes: dict[str, int], pipeline_split: bool = True) -> list[dict[str, Any]]:
+  """One row per parameter (layer stacks folded: one row covers all layers of a stack)."""
+  layers = stage_layers(model.cfg, sizes["pipeline"] if pipeline_split else 1)
+  split = sizes if pipeline_split else as_built(sizes)
+  rows = []
+  for leaf in model.leaves:
+    if leaf.kind not in ("params", "biases"):
+      continue
+    per_stage = [leaf_bytes(leaf, split, on_stage(leaf, s, layers)) for s in range(len(layers))
+                 if on_stage(leaf, s, layers) != 0]
+    rows.append({"name": leaf.path, "kind": "bias" if leaf.kind == "biases" else "param", "stack": leaf.stack,
+                 "shape": list(leaf.shape), "dtype": leaf.dtype, "logical_axes": list(leaf.names),
+                 "mesh_axes": [list(a) for a in leaf.axes],
+                 "placement": notation(leaf.path.rsplit(".", 1)[-1], leaf.letters, leaf.axes, sizes,
+                                       pipeline_split and "layers" in leaf.names),
+                 "stages": len(per_stage), "bytes_per_device": max(per_stage)})
+  return rows
+
+
+def optimizer_rows(model: Model, sizes: dict[str, int], pipeline_split: bool = True) -> list[dict[str, Any]]:
+  """Optimiser state grouped by slot (AdamW mu, nu; step counters) and stack, bytes on the heaviest stage."""
+  layers = stage_layers(model.cfg, sizes["pipeline"] if pipeline_split else 1)
+  split = sizes if pipeline_split else as_built(sizes)
+  groups: dict[tuple[str, str], dict[str, Any]] = {}
+  for leaf in model.leaves:
+    if leaf.kind != "opt_state":
+      continue
+    slot = leaf.path.split(".", 1)[0] if leaf.path.split(".", 1)[0] in ("mu", "nu") else "count"
+    key = (slot, leaf.stack or "-")
+    row = groups.setdefault(key, {"slot": slot, "stack": leaf.stack, "arrays": 0, "elements": 0,
+                                  "dtype": leaf.dtype, "bytes_per_stage": [0] * len(layers)})
+    row["arrays"] += 1
+    row["elements"] += math.prod(leaf.shape)
+    for s in range(len(layers)):
+      count = on_stage(leaf, s, layers)
+      if count != 0:
+        row["bytes_per_stage"][s] += leaf_bytes(leaf, split, count)
+  rows = []
+  for row in groups.values():
+    per_stage = row.pop("bytes_per_stage")
+    placement = "as the parameters" if row["slot"] != "count" else "replicated"
+    rows.append({**row, "placement": placement, "bytes_per_device": max(per_stage)})
+  return rows

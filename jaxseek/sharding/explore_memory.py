@@ -1,0 +1,234 @@
+"""Memory per device: state from the layout, activations and MoE dispatch buffers from the tensors a layer keeps.
+
+A layer's backward needs the tensors its forward saved (the residuals). Without remat every layer keeps all of
+them; with `train.remat=full` a layer keeps only its input x[B, T, D] and recomputes the rest while its backward
+runs. The tensors and how many copies of each the backward keeps follow the model code (listed by
+`activation_rows`). The backward of a layer needs about its saved tensors' size again for their gradients; the
+head's logits are freed before that starts, so the larger of the two counts. Per device, with 1F1B pipelining a
+stage holds min(stages − stage, microbatches) microbatches in flight:
+
+  activations = in_flight · Σ_layers saved + max(saved(one layer), logits)              (remat none)
+  activations = in_flight · Σ_layers x[B,T,D] + saved(one layer) + max(saved(one layer), logits)  (remat full)
+  gradients   = parameters (× 2 with microbatches: the accumulator and one microbatch's gradients)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxseek.config import MESH_AXES, Config
+from jaxseek.model import moe as moe_lib
+from jaxseek.sharding import explore_layout as ex
+from jaxseek.sharding.rules import ACTIVATION_RULES, spec
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+KINDS = ("parameters", "gradients", "optimizer", "activations", "moe_dispatch", "gathered_weights", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """An activation one layer keeps for its backward: `copies` arrays of this shape and placement."""
+
+  name: str
+  symbol: str  # the array's name in the placement notation
+  scope: str  # "attention", "mlp", "moe" (dispatch buffers, per device inside shard_map), "head"
+  letters: str
+  dims: tuple[int, ...]  # global (per microbatch); for scope "moe" already one device's shard
+  names: tuple[str | None, ...]  # logical axes (activation rules); None everywhere for "moe"
+  itemsize: int
+  copies: int
+
+  def bytes(self, sizes: dict[str, int]) -> int:
+    """Bytes of one copy on one device."""
+    total = self.itemsize
+    for dim, entry in zip(self.dims, spec(self.names, ACTIVATION_RULES)):
+      axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+      total *= -(-dim // math.prod(sizes[a] for a in axes))
+    return total
+
+
+def activation_itemsize(cfg: Config, platform: str) -> int:
+  """Bytes per activation element: the compute dtype's, but XLA:CPU computes bfloat16 arithmetic in float32."""
+  return 4 if platform == "cpu" else ITEMSIZE[cfg.train.compute_dtype]
+
+
+def batch_shards(sizes: dict[str, int]) -> int:
+  return math.prod(sizes[a] for a in ACTIVATION_RULES["batch"])
+
+
+def attention_tensors(cfg: Config, batch: int, platform: str = "gpu") -> list[Tensor]:
+  """What an attention block keeps: the residual stream and norms, projections, scores and probabilities."""
+  m, c = cfg.model, activation_itemsize(cfg, platform)
+  B, T, D, N = batch, cfg.train.seq_len, m.hidden_size, m.num_attention_heads
+  btd, btn = ("batch", "length", None), ("batch", "length", "heads", None)
+  out = [Tensor("x (residual, norms)", "x", "attention", "BTD", (B, T, D), btd, c, 6)]
+  if m.is_mla:
+    K, P = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    if m.q_lora_rank:
+      out.append(Tensor("q latent", "c_q", "attention", "BTQ", (B, T, m.q_lora_rank), btd, c, 3))
+    out += [Tensor("kv latent", "c_kv", "attention", "BTC", (B, T, m.kv_lora_rank), btd, c, 3),
+            Tensor("q, k (H = nope + rope)", "q", "attention", "BTNH", (B, T, N, K), btn, c, 2),
+            Tensor("v, attention out", "v", "attention", "BTNP", (B, T, N, P), btn, c, 2)]
+  else:
+    H, G = m.dense_head_dim, m.kv_heads
+    out += [Tensor("q, attention out", "q", "attention", "BTNH", (B, T, N, H), btn, c, 2),
+            Tensor("k, v", "k", "attention", "BTGH", (B, T, G, H), ("batch", "length", "kv_heads", None), c, 2)]
+  out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, T),
+                    ("batch", "heads", "length", None), 4, 2))
+  return out
+
+
+def mlp_tensors(cfg: Config, batch: int, hidden: int, name: str = "mlp hidden (gate, up, silu)",
+                platform: str = "gpu") -> list[Tensor]:
+  c = activation_itemsize(cfg, platform)
+  return [Tensor(name, "h", "mlp", "BTF", (batch, cfg.train.seq_len, hidden), ("batch", "length", "mlp"), c, 5)]
+
+
+def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> list[Tensor]:
+  """One device's MoE buffers inside the shard_map: router scores, the R = P·C dispatch rows (all_to_all
+  buffers, sent and received), the grouped matmul's hidden rows and the expert weights gathered for it."""
+  m, a, c = cfg.model, activation_itemsize(cfg, platform), ITEMSIZE[cfg.train.compute_dtype]
+  P = sizes["expert"]
+  e, mm, D, K = -(-m.n_routed_experts // P), -(-m.moe_intermediate_size // sizes["tensor"]), m.hidden_size, \
+      m.num_experts_per_tok
+  x = -(-batch // batch_shards(sizes)) * -(-cfg.train.seq_len // sizes["context"])
+  R = P * moe_lib.capacity(x, K, P, e, m.moe_capacity_factor)
+  none = (None,)
+  out = [Tensor("router scores", "s", "moe", "XE", (x, m.n_routed_experts), none * 2, 4, 1),
+         Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none * 2, a, 2),
+         Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none * 2, 1, 2),
+         Tensor("expert weights (gathered)", "w", "moe", "eDm", (e, D, mm), none * 3, c, 3)]
+  if platform == "cpu":  # moe.ffn_blocked: rows padded per expert to blocks of n, one weight copy per block
+    n = 2 ** int(math.log2(min(max(R // (4 * e), 8), 256)))
+    blocks = -(-(R + e * (n - 1)) // n)
+    out += [Tensor("blocked rows", "rows", "moe", "RD", (blocks * n, D), none * 2, a, 1),
+            Tensor("expert hidden (blocked)", "h", "moe", "Rm", (blocks * n, mm), none * 2, a, 6),
+            Tensor("expert weights per block", "w", "moe", "NDm", (blocks, D, mm), none * 3, c, 3)]
+  else:
+    out.append(Tensor("expert hidden", "h", "moe", "Rm", (R, mm), none * 2, a, 6))
+  return out
+
+
+def head_tensors(cfg: Config, batch: int) -> list[Tensor]:
+  m = cfg.model
+  depth = 1 + m.num_nextn_predict_layers
+  return [Tensor("logits, softmax, their gradient", "logits", "head", "BTV", (batch, cfg.train.seq_len, m.vocab_size),
+                 ("batch", "length", "vocab"), 4, 3 * depth)]
+
+
+def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str) -> list[Tensor]:
+  """Everything one decoder layer keeps for one microbatch."""
+  m = cfg.model
+  batch = cfg.train.batch_size // cfg.train.microbatches
+  out = attention_tensors(cfg, batch, platform)
+  if not moe:
+    return out + mlp_tensors(cfg, batch, m.intermediate_size, platform=platform)
+  if m.n_shared_experts:
+    out += mlp_tensors(cfg, batch, m.moe_intermediate_size * m.n_shared_experts, "shared expert hidden", platform)
+  return out + dispatch_tensors(cfg, sizes, batch, platform)
+
+
+def activation_rows(cfg: Config, sizes: dict[str, int], platform: str = "gpu") -> list[dict[str, Any]]:
+  """The main activations of one layer (and the head) per microbatch: shape, placement, bytes per device."""
+  rows, seen = [], set()
+  batch = cfg.train.batch_size // cfg.train.microbatches
+  layers = [("dense layer", False)] * bool(cfg.model.num_dense_layers) + [("moe layer", True)] * cfg.model.is_moe
+  for where, moe in layers:
+    for t in layer_tensors(cfg, sizes, moe, platform):
+      if (t.name, t.dims) in seen:
+        continue
+      seen.add((t.name, t.dims))
+      rows.append(_row(t, sizes, where))
+  return rows + [_row(t, sizes, "head") for t in head_tensors(cfg, batch)]
+
+
+def _row(t: Tensor, sizes: dict[str, int], where: str) -> dict[str, Any]:
+  if t.scope == "moe":
+    placement = f"{t.symbol}[{', '.join(t.letters)}] per device"
+  else:
+    axes = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+                 for e in spec(t.names, ACTIVATION_RULES))
+    placement = ex.notation(t.symbol, t.letters, axes, sizes)
+  return {"name": t.name, "layer": where, "scope": t.scope, "shape": list(t.dims), "dtype_bytes": t.itemsize,
+          "placement": placement, "copies": t.copies, "bytes_per_device": t.bytes(sizes) * t.copies}
+
+
+def _split(tensors: list[Tensor], sizes: dict[str, int]) -> tuple[int, int]:
+  """(activation bytes, MoE dispatch bytes) per device of a list of tensors."""
+  dispatch = sum(t.bytes(sizes) * t.copies for t in tensors if t.scope == "moe")
+  return sum(t.bytes(sizes) * t.copies for t in tensors) - dispatch, dispatch
+
+
+def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu",
+           pipeline_split: bool = True) -> dict[str, Any]:
+  """Bytes per device by kind on the heaviest pipeline stage, with the stage and its layers."""
+  cfg = model.cfg
+  stages = ex.stage_layers(cfg, sizes["pipeline"] if pipeline_split else 1)
+  split = sizes if pipeline_split else ex.as_built(sizes)
+  per_layer = {moe: _split(layer_tensors(cfg, split, moe, platform), split) for moe in (False, True)
+               if moe <= cfg.model.is_moe}
+  batch = cfg.train.batch_size // cfg.train.microbatches
+  x_layer = attention_tensors(cfg, batch, platform)[0].bytes(split)
+  head = _split(head_tensors(cfg, batch), split)[0]
+  best = None
+  for s, layers in enumerate(stages):
+    state = ex.stage_state_bytes(model, split, s, stages)
+    out = {"parameters": state["params"] + state["biases"], "optimizer": state["opt_state"],
+           "other": state["other"],
+           "gradients": state["params"] * (2 if cfg.train.microbatches > 1 else 1)}
+    kinds = [False] * layers["dense_layers"] + [True] * layers["moe_layers"]
+    if s == len(stages) - 1:
+      kinds += [cfg.model.is_moe] * cfg.model.num_nextn_predict_layers
+    in_flight = min(len(stages) - s, cfg.train.microbatches)
+    out.update(_activations(cfg, kinds, per_layer, x_layer, in_flight, head if s == len(stages) - 1 else 0))
+    out["gathered_weights"] = gathered_weights(model, split, s == 0, s == len(stages) - 1)
+    out["total"] = sum(out[k] for k in KINDS)
+    if best is None or out["total"] > best[1]["total"]:
+      best = (s, out, layers)
+  stage, out, layers = best
+  return {"bytes": out, "stage": stage, "stages": len(stages), "layers_on_stage": layers}
+
+
+def _activations(cfg: Config, kinds: list[bool], per_layer: dict, x_layer: int, in_flight: int,
+                 head: int) -> dict[str, int]:
+  """Saved tensors of every layer, plus the larger of the head's logits and one layer's backward (the logits
+  are freed before the layers' backward starts)."""
+  if not kinds:
+    return {"activations": head, "moe_dispatch": 0}
+  biggest = max(kinds, key=lambda k: sum(per_layer[k]))
+  if cfg.train.remat == "full":
+    return {"activations": in_flight * x_layer * len(kinds) + per_layer[biggest][0]
+                           + max(per_layer[biggest][0], head),
+            "moe_dispatch": 2 * per_layer[biggest][1]}
+  saved = [sum(per_layer[k][i] for k in kinds) for i in (0, 1)]
+  return {"activations": in_flight * saved[0] + max(per_layer[biggest][0], head),
+          "moe_dispatch": in_flight * saved[1] + per_layer[biggest][1]}
+
+
+def gathered_weights(model: ex.Model, sizes: dict[str, int], first: bool = True, last: bool = True) -> int:
+  """FSDP's transients: one layer's weights all-gathered in the compute dtype with their gradient before the
+  reduce-scatter (expert weights are counted with the MoE buffers), and the embedding table (first stage) and
+  head (last stage), which XLA gathers once and keeps for the backward: gathered, cast, and the full gradient."""
+  key = ("gathered", tuple(sizes[a] for a in MESH_AXES), first, last, model.cfg.train.compute_dtype)
+  if sizes["fsdp"] == 1:
+    return 0
+  if key in model.memo:
+    return model.memo[key]
+  c = ITEMSIZE[model.cfg.train.compute_dtype]
+  whole = {**sizes, "fsdp": 1}
+  biggest = 0
+  for stack in ex.LAYER_STACKS:
+    total = 0
+    for leaf in model.leaves:
+      if leaf.kind == "params" and leaf.stack == stack and "experts" not in leaf.names:
+        total += ex.leaf_bytes(leaf, whole, 1) // leaf.itemsize * (c + leaf.itemsize)
+    biggest = max(biggest, total)
+  ends = 0
+  for leaf in model.leaves:
+    if leaf.kind == "params" and ((leaf.stack == "embed" and first) or (leaf.stack == "head_DV" and last)):
+      cast = c if c != leaf.itemsize else 0
+      ends += ex.leaf_bytes(leaf, whole) // leaf.itemsize * (2 * leaf.itemsize + cast)
+  model.memo[key] = biggest + ends
+  return biggest + ends

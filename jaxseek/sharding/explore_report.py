@@ -1,0 +1,219 @@
+"""The explorer's console tables (rich) and its picture (`--plot`, needs matplotlib)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from jaxseek.errors import UserError
+from jaxseek.sharding.explore_memory import KINDS
+
+
+def human(nbytes: float) -> str:
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(nbytes) >= size:
+      return f"{nbytes / size:.2f} {unit}"
+  return f"{int(nbytes)} B"
+
+
+def seconds(s: float) -> str:
+  return f"{s * 1e6:.1f} µs" if s < 1e-3 else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+class _Table(Table):
+  """A rich Table whose cells are plain text (a placement like w[E, D] is not a style tag)."""
+
+  def add_row(self, *cells: str) -> None:
+    super().add_row(*(escape(c) for c in cells))
+
+
+def _table(title: str, *columns: str) -> Table:
+  table = _Table(title=title, title_justify="left", header_style="bold")
+  for column in columns:
+    table.add_column(column, justify="right" if column.startswith(("bytes", "count", "time", "%")) else "left",
+                     overflow="fold")
+  return table
+
+
+def console() -> Console:
+  """A console at least 150 columns wide (rich would fold the tables into 80 when the output is a file)."""
+  return Console(width=max(Console().width, 150))
+
+
+def print_plan(result: dict[str, Any], out: Console | None = None) -> None:
+  """Layout, memory, communication (and, with --compile, XLA's figures beside them)."""
+  out = out or console()
+  mesh = " × ".join(f"{a}={n}" for a, n in result["mesh"].items())
+  out.print(f"[bold]{result['model']['model_type']}[/bold]: {result['total_parameters']:,} parameters "
+                f"({result['mtp_parameters']:,} in multi-token prediction) | mesh {mesh} ({result['devices']} "
+                f"devices) | pipeline: {result['pipeline']}")
+  table = _table("Parameters (layer stacks folded: L = layers)", "name", "shape", "dtype", "logical axes",
+                 "placement", "bytes / device")
+  for r in result["parameters"]:
+    table.add_row(r["name"].replace(".blocks.", "."), _shape(r["shape"]), _dtype(r["dtype"]),
+                  ",".join(str(n) for n in r["logical_axes"]), r["placement"], human(r["bytes_per_device"]))
+  out.print(table)
+  table = _table("Optimiser state", "slot", "stack", "arrays", "elements", "dtype", "placement", "bytes / device")
+  for r in result["optimizer"]:
+    table.add_row(r["slot"], str(r["stack"] or "-"), str(r["arrays"]), f"{r['elements']:,}", _dtype(r["dtype"]),
+                  r["placement"], human(r["bytes_per_device"]))
+  out.print(table)
+  table = _table(f"Activations of one layer, per microbatch ({result['memory']['platform']} expert path)", "layer",
+                 "name", "shape", "placement", "copies", "bytes / device")
+  for r in result["activations"]:
+    table.add_row(r["layer"], r["name"], _shape(r["shape"]), r["placement"], str(r["copies"]),
+                  human(r["bytes_per_device"]))
+  out.print(table)
+  print_memory(result, out)
+  print_communication(result, out)
+  if "compiled" in result:
+    print_compiled(result["compiled"], out)
+
+
+def _shape(shape: list[int]) -> str:
+  return "×".join(str(d) for d in shape) or "scalar"
+
+
+def _dtype(name: str) -> str:
+  return {"float32": "f32", "bfloat16": "bf16", "int32": "i32"}.get(name, name)
+
+
+def print_memory(result: dict[str, Any], out: Console) -> None:
+  mem, hw, where = result["memory_per_device"], result["hardware"], result["memory"]
+  title = "Memory per device"
+  if where["stages"] > 1:
+    layers = where["layers_on_stage"]
+    held = [f"{layers['dense_layers']} dense layers", f"{layers['moe_layers']} MoE layers"]
+    held += ["the embedding"] * (where["stage"] == 0) + ["the head and MTP"] * (where["stage"] == where["stages"] - 1)
+    title += f" (heaviest pipeline stage {where['stage']} of {where['stages']}: {', '.join(held)})"
+  table = _table(title, "kind", "bytes", "% of device")
+  for kind in KINDS + ("total",):
+    table.add_row(kind, human(mem[kind]), f"{100 * mem[kind] / hw['memory_bytes']:.1f}")
+  out.print(table)
+  verdict = "[green]fits[/green]" if where["fits"] else "[red]does not fit[/red]"
+  out.print(f"{human(mem['total'])} of {human(hw['memory_bytes'])} ({hw['name']}, "
+                f"{human(hw['usable_bytes'])} usable): {verdict}")
+
+
+def print_communication(result: dict[str, Any], out: Console) -> None:
+  table = _table("Communication per step", "axis", "collective", "what", "count", "bytes / device", "link", "time")
+  for axis, items in result["communication"].items():
+    for c in items:
+      table.add_row(axis, c["collective"], c["what"], str(c["count"]), human(c["bytes_per_device"]), c["link"],
+                    seconds(c["time_s"]))
+  out.print(table)
+  compute, hw = result["compute"], result["hardware"]
+  out.print(f"compute {compute['flops_per_device']:.3g} FLOPs/device → {seconds(compute['time_s'])} at "
+                f"{hw['peak_tflops']:g} TFLOP/s; pipeline bubble {seconds(compute['bubble_s'])}; estimated step "
+                f"{seconds(result['step_time_s'])} (no overlap of compute and collectives)")
+
+
+def print_compiled(compiled: dict[str, Any], out: Console) -> None:
+  table = _table("Compiled train step (XLA, per device) vs analytic", "figure", "bytes (XLA)", "bytes (analytic)",
+                 "% difference")
+  for name, xla, analytic in (("arguments (state + batch)", compiled["argument_bytes"],
+                               compiled["predicted_argument_bytes"]),
+                              ("temporaries", compiled["temp_bytes"], compiled["predicted_temp_bytes"])):
+    table.add_row(name, human(xla), human(analytic), f"{100 * (analytic / xla - 1):+.1f}")
+  out.print(table)
+  table = _table("Collectives in the compiled module (ops by mesh axes)", "collective", "axes", "count",
+                 "analytic expects")
+  expected = compiled["predicted_collectives"]
+  for kind, by_axes in sorted(compiled["collectives"].items()):
+    for axes, count in sorted(by_axes.items()):
+      known = axes != "-" and all(a in expected.get(kind, []) for a in axes.split("+"))
+      table.add_row(kind, axes, str(count), "yes" if known else "single-device group" if axes == "-" else "")
+  out.print(table)
+
+
+def print_suggestions(rows: list[dict[str, Any]], out: Console | None = None) -> None:
+  out = out or console()
+  if not rows:
+    out.print("[red]no mesh of these devices fits[/red]")
+    return
+  table = _table("Layouts that fit, fastest first", "#", "mesh", "microbatches", "remat", "bytes / device",
+                 "time / step", "why it loses to #1")
+  for r in rows:
+    mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "one device"
+    table.add_row(str(r["rank"]), mesh, str(r["microbatches"]), r["remat"], human(r["memory_bytes"]),
+                  seconds(r["step_time_s"]), r["why_not_first"])
+  out.print(table)
+  out.print("overrides of #1: " + " ".join(rows[0]["overrides"]))
+
+
+def require_matplotlib() -> None:
+  if importlib.util.find_spec("matplotlib") is None:
+    raise UserError("--plot needs matplotlib, which is not installed; pip install matplotlib, or drop --plot")
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+  """A PNG: the memory per device by kind against the device, and how one parameter of each kind is split."""
+  require_matplotlib()
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  examples = _examples(result["parameters"])
+  fig, axes = plt.subplots(1, 1 + len(examples), figsize=(4 + 3 * len(examples), 4.5), squeeze=False)
+  ax = axes[0][0]
+  mem, limit = result["memory_per_device"], result["hardware"]["memory_bytes"]
+  bottom = 0.0
+  for kind in KINDS:
+    ax.bar([0], [mem[kind] / 2**30], bottom=bottom, label=kind)
+    bottom += mem[kind] / 2**30
+  ax.axhline(limit / 2**30, color="black", linestyle="--", label=result["hardware"]["name"])
+  ax.set_xticks([])
+  ax.set_ylabel("GiB per device")
+  ax.legend(fontsize=7, loc="upper left")
+  ax.set_title("memory per device")
+  for ax, row in zip(axes[0][1:], examples):
+    _draw_parameter(ax, row, result["mesh"])
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+KINDS_SHOWN = (("embedding", lambda r: r["name"].startswith("embed.")),
+               ("attention", lambda r: ".attn.w_" in r["name"]),
+               ("MLP", lambda r: ".mlp.w_" in r["name"] and "experts" not in r["logical_axes"]),
+               ("experts", lambda r: "experts" in r["logical_axes"]))
+
+
+def _examples(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The first parameter of each kind: embedding, attention, MLP, experts (those the model has)."""
+  return [next(r for r in rows if test(r)) for _, test in KINDS_SHOWN if any(test(r) for r in rows)]
+
+
+def _draw_parameter(ax, row: dict[str, Any], mesh: dict[str, int]) -> None:
+  """The parameter's two most divided dimensions as a grid of tiles, one tile per device's piece."""
+  shards = [math.prod(mesh[a] for a in axes) for axes in row["mesh_axes"]]
+  if row["logical_axes"][0] == "layers":
+    shards[0] = row["stages"]  # the stack's layers split over the pipeline stages that hold it
+  order = sorted(range(len(shards)), key=lambda k: (-shards[k], -row["shape"][k]))[:2]
+  i, j = sorted(order) if len(order) == 2 else (order[0], order[0])
+  rows, cols = shards[i], shards[j] if j != i else 1
+  for r in range(rows):
+    for c in range(cols):
+      ax.add_patch(_tile(c / cols, 1 - (r + 1) / rows, 1 / cols, 1 / rows, (r * cols + c) % 10))
+  ax.set_xlim(0, 1)
+  ax.set_ylim(0, 1)
+  ax.set_xticks([])
+  ax.set_yticks([])
+  rest = math.prod(shards) // (rows * cols)
+  more = f"\neach tile split {rest} ways more on its other dims" if rest > 1 else ""
+  ax.set_title(f"{row['name']}\n{row['placement']}{more}", fontsize=7)
+  ax.set_xlabel(f"dim {j}: {row['shape'][j]} in {cols} pieces", fontsize=8)
+  ax.set_ylabel(f"dim {i}: {row['shape'][i]} in {rows} pieces", fontsize=8)
+
+
+def _tile(x: float, y: float, w: float, h: float, color: int):
+  from matplotlib.patches import Rectangle
+
+  return Rectangle((x, y), w, h, facecolor=f"C{color}", edgecolor="white", alpha=0.8)

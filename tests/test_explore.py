@@ -1,0 +1,263 @@
+"""The sharding layout explorer: analytic bytes against real sharded arrays and XLA, collectives, planning."""
+
+import json
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import CONFIGS, ROOT, load_config
+from jaxseek import explore as explore_cli
+from jaxseek import train as train_lib
+from jaxseek.input.pipeline import batch_shardings
+from jaxseek.sharding import explore, explore_compile, explore_layout, explore_suggest
+from jaxseek.sharding.mesh import make_mesh
+
+GOLDEN = ROOT / "tests" / "golden"
+MESHES = {"d2f2t2": (1, 2, 2, 1, 1, 2), "f2e2t2": (1, 1, 2, 2, 1, 2), "d8": (1, 8, 1, 1, 1, 1),
+          "f4t2": (1, 1, 4, 1, 1, 2), "e4d2": (1, 2, 1, 4, 1, 1)}
+TINY = ("tiny-dense", "tiny-v2", "tiny-v3")
+
+
+def mesh_overrides(name):
+  return [f"mesh.{a}={n}" for a, n in zip(("pipeline", "data", "fsdp", "expert", "context", "tensor"), MESHES[name])]
+
+
+def sizes_of(name):
+  return dict(zip(("pipeline", "data", "fsdp", "expert", "context", "tensor"), MESHES[name]))
+
+
+def device_bytes(tree):
+  """Bytes each device holds of a tree of real arrays: the sum of its addressable shards' sizes."""
+  out = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+  return out
+
+
+@pytest.mark.parametrize("name,mesh", [("tiny-v3", "d2f2t2"), ("tiny-v3", "e4d2"), ("tiny-v2", "f4t2"),
+                                       ("tiny-dense", "f2e2t2"), ("tiny-dense", "d8")])
+def test_state_bytes_per_device_equal_real_sharded_arrays(name, mesh):
+  cfg = load_config(name, *mesh_overrides(mesh))
+  trainer = train_lib.make_trainer(cfg, make_mesh(cfg))
+  real = jax.tree.map(lambda sh, s: jax.device_put(np.zeros(s.shape, s.dtype), sh), trainer.state_shardings,
+                      trainer.abstract_state)
+  memory = explore.plan(explore.describe(cfg), sizes_of(mesh), explore.hardware("h100-80g"))["memory_per_device"]
+  params, opt = device_bytes((real.params, real.biases)), device_bytes(real.opt_state)
+  assert len(params) == len(opt) == 8
+  assert set(params.values()) == {memory["parameters"]}
+  assert set(opt.values()) == {memory["optimizer"]}
+
+
+def test_state_bytes_of_an_initialised_state():
+  """The same equality for the state the trainer initialises (jit with out_shardings), not only device_put."""
+  cfg = load_config("tiny-v3", *mesh_overrides("f2e2t2"))
+  _, state = train_lib.init_state(cfg, make_mesh(cfg))
+  memory = explore.plan(explore.describe(cfg), sizes_of("f2e2t2"), explore.hardware("h100-80g"))["memory_per_device"]
+  assert set(device_bytes((state.params, state.biases)).values()) == {memory["parameters"]}
+  assert set(device_bytes(state.opt_state).values()) == {memory["optimizer"]}
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("mesh", ["d2f2t2", "f2e2t2"])
+def test_layout_matches_golden_file(name, mesh):
+  """A change to the rules or the model's parameters shows up as a diff of these files (regenerate with
+  JAXSEEK_UPDATE_GOLDEN=1)."""
+  cfg = load_config(name, *mesh_overrides(mesh))
+  got = explore.layout(explore.plan(explore.describe(cfg), sizes_of(mesh), explore.hardware("h100-80g")))
+  got = json.loads(json.dumps(got))
+  path = GOLDEN / f"explore-{name}-{mesh}.json"
+  if os.environ.get("JAXSEEK_UPDATE_GOLDEN"):
+    path.write_text(golden_text(got))
+  assert got == json.loads(path.read_text())
+
+
+def golden_text(layout):
+  """JSON with one line per row, so that a review diff shows exactly the parameters whose layout changed."""
+  parts = []
+  for key, value in layout.items():
+    if isinstance(value, list):
+      body = ",\n".join(f"  {json.dumps(row)}" for row in value)
+      parts.append(f" {json.dumps(key)}: [\n{body}\n ]")
+    else:
+      parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
+  return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def test_placement_notation():
+  cfg = load_config("tiny-v3", *mesh_overrides("f2e2t2"))
+  rows = {r["name"]: r for r in explore.plan(explore.describe(cfg), sizes_of("f2e2t2"),
+                                             explore.hardware("h100-80g"))["parameters"]}
+  assert rows["dense_layers.blocks.mlp.w_gate_DF"]["placement"] == "w_gate[L, D_fsdp, F_tensor]"
+  assert rows["moe_layers.blocks.mlp.w_down_EMD"]["placement"] == "w_down[L, E_expert, M_tensor, D_fsdp]"
+  assert rows["dense_layers.blocks.attn.w_uqr_QNR"]["placement"] == "w_uqr[L, Q, N_tensor, R]"
+  assert rows["dense_layers.blocks.attn.q_norm.scale_D"]["placement"] == "scale[L, Q]"
+
+
+def collective_counts(text):
+  counts = {}
+  for m in re.finditer(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", text):
+    counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+  return counts
+
+
+def test_compiled_figures_and_collective_counts_match_the_module(tmp_path):
+  """--compile: XLA's argument size equals the analytic state + batch, temporaries within 25%, and the
+  collective counts it reports are those of the compiled module (counted here from a separate compilation)."""
+  overrides = mesh_overrides("d2f2t2") + ["train.seq_len=16"]
+  out = tmp_path / "plan.json"
+  assert explore_cli.main(["--config", str(CONFIGS / "tiny-dense.yaml"), *overrides, "--compile",
+                           "--json", str(out)]) == 0
+  compiled = json.loads(out.read_text())["compiled"]
+  assert abs(compiled["predicted_argument_bytes"] / compiled["argument_bytes"] - 1) < 0.02
+  assert abs(compiled["predicted_temp_bytes"] / compiled["temp_bytes"] - 1) < 0.25
+  cfg = load_config("tiny-dense", *overrides)
+  mesh = make_mesh(cfg)
+  trainer = train_lib.make_trainer(cfg, mesh)
+  batch = {k: jax.ShapeDtypeStruct((16, 16), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=s)
+           for k, s in batch_shardings(mesh).items()}
+  with jax.set_mesh(mesh):
+    text = train_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile().as_text()
+  reported = {kind: sum(by_axes.values()) for kind, by_axes in compiled["collectives"].items()}
+  assert reported == collective_counts(text) and sum(reported.values()) > 10
+  # every collective the analytic model implies is in the module, on the axis it names
+  for kind, axes in compiled["predicted_collectives"].items():
+    if kind == "reduce-scatter":
+      continue  # XLA:CPU emits it as all-reduce + dynamic-slice
+    for axis in axes:
+      assert any(axis in label.split("+") for label in compiled["collectives"].get(kind, {})), (kind, axis)
+
+
+def test_compiled_expert_parallel_step_matches_analytic():
+  """The MoE model with expert parallelism: all-to-all runs on the expert axis only, memory as estimated."""
+  cfg = load_config("tiny-v3", *mesh_overrides("f2e2t2"), "train.seq_len=16")
+  sizes = sizes_of("f2e2t2")
+  compiled = explore_compile.compare(cfg, explore.describe(cfg), sizes, explore.hardware("h100-80g"))
+  assert abs(compiled["predicted_argument_bytes"] / compiled["argument_bytes"] - 1) < 0.02
+  assert abs(compiled["predicted_temp_bytes"] / compiled["temp_bytes"] - 1) < 0.25
+  assert set(compiled["collectives"]["all-to-all"]) == {"expert"}
+  assert "expert" in compiled["predicted_collectives"]["all-to-all"]
+
+
+@pytest.mark.parametrize("line,axes", [
+    ("all-reduce(%a), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true",
+     ("data", "fsdp")),
+    ("all-gather(%a), channel_id=2, replica_groups=[4,2]<=[8], dimensions={0}", ("tensor",)),
+    ("all-gather(%a), channel_id=3, replica_groups=[4,2]<=[4,2]T(1,0), dimensions={0}", ("fsdp",)),
+    ("all-gather(%a), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) "
+     "{'axis_0'}, dimensions={0}", ("fsdp",)),
+    ("collective-permute(%a), channel_id=5, source_target_pairs={{0,0},{1,2},{2,1},{3,3}}", ("fsdp", "tensor")),
+    ("all-reduce(%a), channel_id=6, replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}", ()),
+])
+def test_collective_axes_from_replica_groups(line, axes):
+  """Device groups map back to the mesh axes along which their devices differ (mesh data=2 × fsdp=2 ×
+  tensor=2, device i at np.unravel_index(i, mesh shape))."""
+  assert explore_compile.collective_axes(line, (1, 2, 2, 1, 1, 2)) == axes
+
+
+def test_deepseek_v3_on_2048_devices_in_seconds():
+  start = time.perf_counter()
+  cfg = load_config("deepseek-v3-671b", "mesh.pipeline=16", "mesh.expert=64", "mesh.data=2", "mesh.fsdp=1")
+  sizes = explore.mesh_sizes(cfg, None)
+  result = explore.plan(explore.describe(cfg), sizes, explore.hardware("h800-80g"))
+  assert time.perf_counter() - start < 30
+  assert result["devices"] == 2048
+  main = result["total_parameters"] - result["mtp_parameters"]
+  assert abs(main / 671e9 - 1) < 0.005 and 11e9 < result["mtp_parameters"] < 12.5e9
+  m = cfg.model
+  stages = explore_layout.stage_layers(cfg, 16)
+  per_stage = [s["dense_layers"] + s["moe_layers"] for s in stages]
+  assert sum(per_stage) == 61 and max(per_stage) == 4 and min(per_stage) == 3
+  rows = {r["name"]: r for r in result["parameters"]}
+  moe_layers_per_stage = max(s["moe_layers"] for s in stages)
+  experts = moe_layers_per_stage * (m.n_routed_experts // 64) * m.hidden_size * m.moe_intermediate_size * 4
+  assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["bytes_per_device"] == experts
+  assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["placement"] == "w_gate[L_pipeline, E_expert, D, M]"
+  assert set(result["communication"]) >= {"pipeline", "expert", "data"}
+  assert result["communication"]["expert"][-1]["collective"] == "all-to-all"
+
+
+def test_communication_of_pure_data_and_fsdp_parallelism():
+  """Ring all-reduce moves 2(n−1)/n of the gradients over data; fsdp gathers (n−1) shards per use."""
+  cfg = load_config("tiny-dense", "mesh.data=8")
+  model = explore.describe(cfg)
+  hw = explore.hardware("h100-80g")
+  data = explore.plan(model, sizes_of("d8"), hw)
+  grads = data["memory_per_device"]["parameters"]
+  (reduce,) = data["communication"]["data"]
+  assert reduce["collective"] == "all-reduce" and reduce["bytes_per_device"] == int(2 * 7 / 8 * grads)
+  assert set(data["communication"]) == {"data"}
+  fsdp = explore.plan(model, {**sizes_of("d8"), "data": 1, "fsdp": 8}, hw)["communication"]["fsdp"]
+  gather = next(c for c in fsdp if c["collective"] == "all-gather")
+  split = sum(r["bytes_per_device"] for r in explore.plan(model, {**sizes_of("d8"), "data": 1, "fsdp": 8}, hw)
+              ["parameters"] if "fsdp" in sum(r["mesh_axes"], []))
+  assert gather["bytes_per_device"] == 2 * 7 * split  # forward and backward, float32 compute
+
+
+def test_remat_and_microbatches_shrink_activations():
+  cfg = load_config("demo")
+  model, hw, sizes = explore.describe(cfg), explore.hardware("h100-80g"), sizes_of("d2f2t2")
+  base = explore.plan(model, sizes, hw)["memory_per_device"]
+  remat = explore.plan(model.with_train(remat="full"), sizes, hw)["memory_per_device"]
+  micro = explore.plan(model.with_train(microbatches=2), sizes, hw)["memory_per_device"]
+  assert remat["activations"] < base["activations"] / 2 and remat["parameters"] == base["parameters"]
+  assert micro["activations"] < base["activations"] and micro["gradients"] == 2 * base["gradients"]
+
+
+def test_suggest_for_deepseek_llm_7b_and_compile_the_best(tmp_path):
+  """8 devices of 80 GB: layouts that fit, fastest first, each with why it loses; the first compiles."""
+  cfg = load_config("deepseek-llm-7b")
+  hw = explore.hardware("h100-80g")
+  rows = explore_suggest.suggest(explore.describe(cfg), 8, hw)
+  assert 3 <= len(rows) <= 10
+  assert all(r["memory_bytes"] <= hw.memory_bytes * hw.usable_fraction for r in rows)
+  assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
+  assert all(r["why_not_first"].startswith("+") for r in rows[1:] if r["step_time_s"] > rows[0]["step_time_s"])
+  assert all(math.prod(r["mesh"].values()) == 8 for r in rows)
+  out = tmp_path / "best.json"
+  best = rows[0]["overrides"] + ["train.seq_len=128"]
+  assert explore_cli.main(["--config", str(CONFIGS / "deepseek-llm-7b.yaml"), *best, "--compile",
+                           "--json", str(out)]) == 0
+  compiled = json.loads(out.read_text())["compiled"]
+  assert abs(compiled["predicted_argument_bytes"] / compiled["argument_bytes"] - 1) < 0.02
+
+
+def test_out_of_memory_names_the_explorer_and_a_change_that_fits():
+  cfg = load_config("deepseek-llm-7b", "mesh.fsdp=8")
+  hw = explore.hardware("a100-40g")
+  error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9663676416 bytes.")
+  line = explore_suggest.explain_oom(cfg, error, "configs/deepseek-llm-7b.yaml", ["mesh.fsdp=8"], devices=8, hw=hw)
+  assert "python -m jaxseek.explore --config configs/deepseek-llm-7b.yaml mesh.fsdp=8 --devices 8" in line
+  change = re.search(r"try (.*?);", line).group(1).split()
+  fixed = load_config("deepseek-llm-7b", "mesh.fsdp=8", *change)
+  memory = explore.plan(explore.describe(fixed), explore.mesh_sizes(fixed, 8), hw)
+  assert memory["memory"]["fits"] and "\n" not in line
+  assert explore_suggest.explain_oom(cfg, ValueError("shapes do not match"), None, [], devices=8, hw=hw) is None
+
+
+def test_json_schema_and_user_errors(tmp_path, capsys):
+  out = tmp_path / "plan.json"
+  assert explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), *mesh_overrides("f2e2t2"),
+                           "--json", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result["total_parameters"] == explore.describe(load_config("tiny-v2")).total_parameters
+  assert set(result["memory_per_device"]) == {"parameters", "gradients", "optimizer", "activations", "moe_dispatch",
+                                              "gathered_weights", "other", "total"}
+  assert set(result["communication"]) == {"fsdp", "expert", "tensor"}
+  capsys.readouterr()
+  assert explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), "--suggest"]) == 2
+  assert "--devices" in capsys.readouterr().err
+  plot = explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), *mesh_overrides("f2e2t2"),
+                           "--plot", str(tmp_path / "p.png")])
+  err = capsys.readouterr().err
+  try:
+    import matplotlib  # noqa: F401
+    assert plot == 0 and (tmp_path / "p.png").stat().st_size > 1000
+  except ImportError:
+    assert plot == 2 and err.count("\n") == 1 and "matplotlib" in err
