@@ -25,7 +25,8 @@ from jaxseek.sharding.mesh import make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = ["model.hidden_size=512", "model.vocab_size=16384", "model.intermediate_size=1536", "model.num_hidden_layers=4",
-        "model.moe_intermediate_size=512", "model.q_lora_rank=256", "model.kv_lora_rank=128", "mesh.data=1"]
+        "model.moe_intermediate_size=512", "model.q_lora_rank=256", "model.kv_lora_rank=128", "mesh.data=1",
+        "mesh.fsdp=1", "mesh.tensor=1"]
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxseek.config import Config
+from jaxseek.errors import RunStopped
 
 # Dense bf16 peak TFLOP/s per device (vendor data sheets, without sparsity).
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "h800": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0,
@@ -118,3 +119,34 @@ def _hms(seconds: float) -> str:
     return "-"
   seconds = int(seconds)
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class StepReporter:
+  """Fetches each step's metrics (waiting for that step to finish), times steps, writes every metrics.every."""
+
+  def __init__(self, writer: Writer, cfg: Config, flops_per_step: float, peak: float):
+    self.writer, self.cfg, self.flops_per_step, self.peak = writer, cfg, flops_per_step, peak
+    self.last_done = time.perf_counter()
+    self.step_times: list[float] = []
+    self.losses: list[float] = []
+    self.skipped = 0
+
+  def __call__(self, step: int, metrics: dict[str, jax.Array], data_wait: float, extra: dict[str, float]) -> None:
+    values = {k: float(v) if v.ndim == 0 else v.tolist() for k, v in jax.device_get(metrics).items()}
+    values.update(extra)
+    self.skipped += int(values["skipped"])
+    if values["nonfinite"] and self.cfg.train.on_nonfinite == "stop":
+      self.writer.write(step, values)
+      raise RunStopped(f"step {step}: loss {values['loss']:g}, gradient norm {values['grad_norm']:g}; the "
+                       f"parameters were not updated and checkpoints on disk hold finite values; lower optim.lr, "
+                       f"or set train.on_nonfinite=skip to skip such steps")
+    done = time.perf_counter()
+    step_time, self.last_done = done - self.last_done, done
+    self.step_times.append(step_time)
+    self.losses.append(values["loss"])
+    cfg = self.cfg
+    if step % cfg.metrics.every == 0 or step in (1, cfg.train.steps) or extra or values["skipped"]:
+      tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
+      values.update(tokens_per_sec=cfg.train.batch_size * cfg.train.seq_len / step_time, step_time_s=step_time,
+                    data_wait_s=data_wait, tflops_per_device=tflops, mfu=tflops / self.peak)
+      self.writer.write(step, values)

@@ -281,7 +281,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
-  reporter = _Reporter(metrics_lib.Writer(run_dir, cfg.train.steps), cfg, flops_per_step, peak)
+  reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg.train.steps), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   try:
     with jax.set_mesh(mesh):
@@ -334,37 +334,6 @@ def _summary(cfg, reporter, start, stopped, run_dir) -> dict[str, float]:
        f"{start + summary['steps']} | {summary['tokens_per_sec']:,.0f} tokens/s (after the first step, which "
        f"compiles) | {reporter.skipped} skipped | run dir {run_dir}")
   return summary
-
-
-class _Reporter:
-  """Fetches each step's metrics (waiting for that step to finish), times steps, writes every metrics.every."""
-
-  def __init__(self, writer: metrics_lib.Writer, cfg: config_lib.Config, flops_per_step: float, peak: float):
-    self.writer, self.cfg, self.flops_per_step, self.peak = writer, cfg, flops_per_step, peak
-    self.last_done = time.perf_counter()
-    self.step_times: list[float] = []
-    self.losses: list[float] = []
-    self.skipped = 0
-
-  def __call__(self, step: int, metrics: dict[str, jax.Array], data_wait: float, extra: dict[str, float]) -> None:
-    values = {k: float(v) if v.ndim == 0 else v.tolist() for k, v in jax.device_get(metrics).items()}
-    values.update(extra)
-    self.skipped += int(values["skipped"])
-    if values["nonfinite"] and self.cfg.train.on_nonfinite == "stop":
-      self.writer.write(step, values)
-      raise RunStopped(f"step {step}: loss {values['loss']:g}, gradient norm {values['grad_norm']:g}; the "
-                       f"parameters were not updated and checkpoints on disk hold finite values; lower optim.lr, "
-                       f"or set train.on_nonfinite=skip to skip such steps")
-    done = time.perf_counter()
-    step_time, self.last_done = done - self.last_done, done
-    self.step_times.append(step_time)
-    self.losses.append(values["loss"])
-    cfg = self.cfg
-    if step % cfg.metrics.every == 0 or step in (1, cfg.train.steps) or extra or values["skipped"]:
-      tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
-      values.update(tokens_per_sec=cfg.train.batch_size * cfg.train.seq_len / step_time, step_time_s=step_time,
-                    data_wait_s=data_wait, tflops_per_device=tflops, mfu=tflops / self.peak)
-      self.writer.write(step, values)
 
 
 def _log(message: str) -> None:
