@@ -168,6 +168,26 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
              "nonfinite": (~finite).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
   if depth:
     metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
+  metrics.update(_moe_metrics(loads, balance, biases))
+  # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
+  window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
+  new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
+                         opt_state=keep(opt_state, state.opt_state), loss_window=window)
+  return new_state, metrics
+
+
+def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:
+  """loss > mean + sigma · std of a full window of recent accepted losses (never while the window fills)."""
+  if sigma is None:
+    return jnp.zeros((), bool)
+  full = ~jnp.isnan(window).any()
+  return full & (loss > jnp.nanmean(window) + sigma * jnp.nanstd(window))
+
+
+def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.State) -> dict[str, jax.Array]:
+  """Expert balance per step: load max/mean (mean, worst, per layer), dropped fraction, balance loss, bias range."""
+  metrics = {}
   if "load" in loads:
     load_LE = loads["load"]
     max_over_mean_L = load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)
@@ -183,20 +203,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     by_layer = [r for r in ranges if r.ndim == 1]  # the MoE stack's [layers] (MTP biases give scalars)
     if by_layer:
       metrics["moe_bias_range_by_layer"] = by_layer[0]
-  # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
-  window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
-  new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
-                         opt_state=keep(opt_state, state.opt_state), loss_window=window)
-  return new_state, metrics
-
-
-def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:
-  """loss > mean + sigma · std of a full window of recent accepted losses (never while the window fills)."""
-  if sigma is None:
-    return jnp.zeros((), bool)
-  full = ~jnp.isnan(window).any()
-  return full & (loss > jnp.nanmean(window) + sigma * jnp.nanstd(window))
+  return metrics
 
 
 def _ce_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
