@@ -112,7 +112,11 @@ def save_checkpoint(model: Transformer, cfg: ModelConfig, out: str | Path) -> Pa
   items = {name: nnx.to_pure_dict(nnx.state(model, kind)) for name, kind in ITEMS.items()}
   args = {name: ocp.args.StandardSave(tree) for name, tree in items.items() if tree}  # Orbax rejects empty items
   args["config"] = ocp.args.JsonSave(config_lib.to_dict(full))  # as training checkpoints record it
-  with ocp.CheckpointManager(out / "checkpoints") as manager:
+  # One zarr array per Variable rather than the OCDBT store, whose transaction holds every write in memory until
+  # it commits (a copy of the model on top of the model); restore reads either layout.
+  handlers = {name: ocp.StandardCheckpointHandler(use_ocdbt=False) for name in args if name != "config"}
+  handlers["config"] = ocp.JsonCheckpointHandler()
+  with ocp.CheckpointManager(out / "checkpoints", item_handlers=handlers) as manager:
     manager.save(0, args=ocp.args.Composite(**args))
     manager.wait_until_finished()
   return out
