@@ -167,7 +167,7 @@ class OptimConfig:
   eps: float = 1e-8
   weight_decay: float = 0.1
   decay_embeddings: bool = False
-  clip_norm: float = 1.0
+  clip_norm: float = 1.0  # global-norm gradient clipping; 0 turns it off
   bias_update_rate: float = 0.001  # aux-loss-free balancing: correction-bias step per optimiser step
 
 
@@ -209,6 +209,9 @@ class MetricsConfig:
 
   every: int = 10
   peak_tflops: float | None = None  # per device; None = detect
+  tensorboard: bool = False  # also write TensorBoard scalars to <run_dir>/tensorboard
+  prometheus_port: int | None = None  # serve Prometheus /metrics on this port (process 0)
+  profile_steps: tuple[int, ...] = ()  # [first, last]: a jax.profiler trace of those steps in <run_dir>/profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,6 +399,15 @@ def validate(cfg: Config) -> None:
                     f"dropless dispatch")
   if m.moe_max_expert_shards is not None and m.moe_max_expert_shards < 1:
     raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} must be ≥ 1, or null")
+  profile = cfg.metrics.profile_steps
+  if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
+    raise UserError(f"config key metrics.profile_steps: {list(profile)} must be [first, last] with "
+                    f"1 ≤ first ≤ last, e.g. [10,12]")
+  port = cfg.metrics.prometheus_port
+  if port is not None and not 0 <= port <= 65535:
+    raise UserError(f"config key metrics.prometheus_port: {port} is not a port number (0-65535; 0 picks a free one)")
+  if cfg.optim.clip_norm < 0:
+    raise UserError(f"config key optim.clip_norm: {cfg.optim.clip_norm} must be ≥ 0 (0 turns clipping off)")
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
   check_mesh_fit(cfg, cfg.mesh.sizes())

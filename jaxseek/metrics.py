@@ -1,13 +1,14 @@
-"""Model FLOPs and MFU, and the metric writers (console line, metrics.jsonl)."""
+"""Model FLOPs and MFU, the metric writers (console, metrics.jsonl, TensorBoard, Prometheus) and the step reporter."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
+import os
 import time
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxseek.config import Config
-from jaxseek.errors import RunStopped
+from jaxseek.errors import RunStopped, UserError
 
 # Dense bf16 peak TFLOP/s per device (vendor data sheets, without sparsity).
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "h800": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0,
@@ -75,20 +76,65 @@ def peak_tflops_per_device(override: float | None) -> tuple[float, str]:
 
 
 class Writer:
-  """One place all per-step metrics go: a console line and metrics.jsonl (process 0 only)."""
+  """The one place per-step metrics go, on process 0: the console, metrics.jsonl, and optionally TensorBoard
+  (metrics.tensorboard) and a Prometheus /metrics endpoint (metrics.prometheus_port)."""
 
-  def __init__(self, run_dir: Path, total_steps: int):
+  def __init__(self, run_dir: Path, cfg: Config):
     self.enabled = jax.process_index() == 0
-    self.total_steps = total_steps
-    self.first: tuple[int, float] | None = None  # (step, time) of the first write: ETA excludes compilation
-    self.file = open(run_dir / "metrics.jsonl", "a") if self.enabled else None
-
-  def write(self, step: int, values: dict[str, float]) -> None:
+    self.sinks: list = []
     if not self.enabled:
       return
+    if cfg.metrics.prometheus_port is not None:  # first: a busy port fails before any file is opened
+      self.sinks.append(Prometheus(cfg.metrics.prometheus_port, Path(run_dir).absolute().name))
+    self.sinks += [Console(cfg.train.steps), Jsonl(run_dir / "metrics.jsonl")]
+    if cfg.metrics.tensorboard:
+      self.sinks.append(TensorBoard(run_dir / "tensorboard"))
+
+  def write(self, step: int, values: dict[str, Any]) -> None:
     record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
+    for sink in self.sinks:
+      sink.write(step, record)
+
+  def close(self) -> None:
+    for sink in self.sinks:
+      sink.close()
+    self.sinks = []
+
+
+class Jsonl:
+  """metrics.jsonl: one JSON object per written step (appended, so a resumed run continues the file)."""
+
+  def __init__(self, path: Path):
+    self.file = open(path, "a")
+
+  def write(self, step: int, record: dict) -> None:
     self.file.write(json.dumps(record) + "\n")
     self.file.flush()
+
+  def close(self) -> None:
+    self.file.close()
+
+
+class Console:
+  """A compact line per written step (rich); on a terminal also a live progress bar with the ETA."""
+
+  def __init__(self, total_steps: int):
+    import rich.console
+    import rich.progress
+
+    self.console = rich.console.Console(highlight=False, soft_wrap=True)
+    self.total_steps = total_steps
+    self.first: tuple[int, float] | None = None  # (step, time) of the first write: ETA excludes compilation
+    self.progress = None
+    if self.console.is_terminal:
+      self.progress = rich.progress.Progress(
+          rich.progress.TextColumn("step {task.completed}/{task.total}"), rich.progress.BarColumn(),
+          rich.progress.TaskProgressColumn(), rich.progress.TimeRemainingColumn(), console=self.console,
+          transient=True)
+      self.task = self.progress.add_task("train", total=total_steps)
+      self.progress.start()
+
+  def write(self, step: int, record: dict) -> None:
     now = time.perf_counter()
     if self.first is None:
       self.first = (step, now)
@@ -98,15 +144,137 @@ class Writer:
              f"grad {record['grad_norm']:.3f}"]
     if "tokens_per_sec" in record:
       parts += [f"{record['tokens_per_sec']:,.0f} tok/s", f"mfu {100 * record['mfu']:.1f}%"]
+    if record.get("moe_load_max_over_mean") is not None:
+      parts.append(f"load max/mean {record['moe_load_max_over_mean']:.2f}")
     if record.get("skipped"):
       parts.append("SKIPPED" + (" (non-finite)" if record.get("nonfinite") else " (loss spike)"))
     parts.append(f"eta {_hms(eta)}")
-    line = " | ".join(parts)
-    print(line, file=sys.stdout, flush=True)
+    self.console.print(" | ".join(parts), markup=False)
+    if self.progress is not None:
+      self.progress.update(self.task, completed=step)
 
   def close(self) -> None:
-    if self.file:
-      self.file.close()
+    if self.progress is not None:
+      self.progress.stop()
+
+
+class TensorBoard:
+  """Scalars under <run_dir>/tensorboard (tensorboardX); per-layer lists as <name>/<layer>."""
+
+  def __init__(self, log_dir: Path):
+    from tensorboardX import SummaryWriter
+
+    self.writer = SummaryWriter(str(log_dir))
+
+  def write(self, step: int, record: dict) -> None:
+    for key, value in record.items():
+      if key == "step" or value is None:
+        continue
+      if isinstance(value, list):
+        for i, v in enumerate(value):
+          if isinstance(v, (int, float)):
+            self.writer.add_scalar(f"{key}/{i}", v, step)
+      elif isinstance(value, (int, float)):
+        self.writer.add_scalar(key, value, step)
+    self.writer.flush()
+
+  def close(self) -> None:
+    self.writer.close()
+
+
+# metrics.jsonl key → Prometheus gauge name (the Grafana dashboard in docs/ reads these)
+PROMETHEUS_GAUGES = {
+    "step": "jaxseek_step", "loss": "jaxseek_loss", "lr": "jaxseek_learning_rate", "grad_norm": "jaxseek_grad_norm",
+    "tokens_per_sec": "jaxseek_tokens_per_second", "mfu": "jaxseek_mfu", "tflops_per_device": "jaxseek_tflops_per_device",
+    "step_time_s": "jaxseek_step_time_seconds", "data_wait_s": "jaxseek_data_wait_seconds",
+    "ckpt_block_s": "jaxseek_checkpoint_block_seconds", "host_memory_bytes": "jaxseek_host_memory_bytes",
+    "moe_load_max_over_mean": "jaxseek_moe_load_max_over_mean",
+    "moe_load_max_over_mean_worst": "jaxseek_moe_load_max_over_mean_worst",
+    "moe_dropped_fraction": "jaxseek_moe_dropped_fraction", "mtp_loss": "jaxseek_mtp_loss",
+}
+
+
+class Prometheus:
+  """Serves the latest values at http://<host>:<port>/metrics (prometheus-client), one `run` label per run."""
+
+  def __init__(self, port: int, run: str):
+    import prometheus_client as prom
+
+    self.registry = prom.CollectorRegistry()
+    self.gauges = {key: prom.Gauge(name, f"jaxseek {key}", ["run"], registry=self.registry)
+                   for key, name in PROMETHEUS_GAUGES.items()}
+    self.memory = prom.Gauge("jaxseek_device_memory_bytes", "device memory in use", ["run", "device"],
+                             registry=self.registry)
+    self.skipped = prom.Counter("jaxseek_skipped_steps", "steps skipped (non-finite or loss spike)", ["run"],
+                                registry=self.registry)
+    self.run = run
+    try:
+      self.server, self.thread = prom.start_http_server(port, registry=self.registry)
+    except OSError as e:
+      raise UserError(f"metrics.prometheus_port={port}: cannot serve /metrics ({e.strerror}); choose a free port")
+    print(f"prometheus: serving /metrics on port {self.server.server_port}", flush=True)
+
+  def write(self, step: int, record: dict) -> None:
+    for key, gauge in self.gauges.items():
+      value = record.get(key)
+      if isinstance(value, (int, float)):
+        gauge.labels(run=self.run).set(value)
+    for device, used in enumerate(record.get("device_memory_bytes") or []):
+      if used is not None:
+        self.memory.labels(run=self.run, device=str(device)).set(used)
+    if record.get("skipped"):
+      self.skipped.labels(run=self.run).inc()
+
+  def close(self) -> None:
+    self.server.shutdown()
+    self.server.server_close()
+
+
+class StepProfiler:
+  """A jax.profiler trace of steps [first, last] (metrics.profile_steps) into <run_dir>/profile; open it with
+  TensorBoard's profile plugin or xprof (`xprof --logdir RUN_DIR/profile`), or the .trace.json.gz in Perfetto."""
+
+  def __init__(self, steps: tuple[int, ...], directory: Path):
+    self.first, self.last = steps if steps else (0, -1)
+    self.directory = directory
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if step == self.first:
+      jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+      self.active = True
+
+  def after(self, step: int, outputs: Any) -> None:
+    if self.active and step == self.last:
+      jax.block_until_ready(outputs)
+      self.close()
+      if jax.process_index() == 0:
+        print(f"profile of steps {self.first}-{self.last} written to {self.directory}", flush=True)
+
+  def close(self) -> None:
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+
+
+def memory_in_use() -> dict[str, Any]:
+  """Bytes in use on each local device (from the runtime, where it reports them) and this process's host RSS."""
+  used = []
+  for device in jax.local_devices():
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    used.append(stats.get("bytes_in_use") if stats else None)
+  out: dict[str, Any] = {"host_memory_bytes": _rss_bytes()}
+  if any(u is not None for u in used):
+    out["device_memory_bytes"] = used
+  return out
+
+
+def _rss_bytes() -> int | None:
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 def _plain(v):
@@ -148,5 +316,5 @@ class StepReporter:
     if step % cfg.metrics.every == 0 or step in (1, cfg.train.steps) or extra or values["skipped"]:
       tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
       values.update(tokens_per_sec=cfg.train.batch_size * cfg.train.seq_len / step_time, step_time_s=step_time,
-                    data_wait_s=data_wait, tflops_per_device=tflops, mfu=tflops / self.peak)
+                    data_wait_s=data_wait, tflops_per_device=tflops, mfu=tflops / self.peak, **memory_in_use())
       self.writer.write(step, values)

@@ -42,10 +42,12 @@ def decay_mask(params: nnx.State, cfg: OptimConfig):
 
 
 def make(cfg: OptimConfig, total_steps: int, abstract_params: nnx.State) -> optax.GradientTransformation:
-  """clip_by_global_norm → AdamW(schedule, decay mask). `abstract_params` supplies the mask's structure."""
+  """clip_by_global_norm (unless clip_norm is 0) → AdamW(schedule, decay mask). `abstract_params` supplies the
+  mask's structure."""
   mask = decay_mask(abstract_params, cfg)
+  clip = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
   return optax.chain(
-      optax.clip_by_global_norm(cfg.clip_norm),
+      *clip,
       optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                   mask=mask),
   )

@@ -288,12 +288,14 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
-  reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg.train.steps), cfg, flops_per_step, peak)
+  reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
+  profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")
   try:
     with jax.set_mesh(mesh):
-      state, stopped = _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog)
+      state, stopped = _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler)
   finally:
+    profiler.close()
     watchdog.stop()
     preemption.restore()
     ckpt.close()
@@ -302,14 +304,16 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   return _summary(cfg, reporter, start, stopped, run_dir)
 
 
-def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog):
+def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler):
   """Steps start+1 … train.steps; saves on schedule, at the end and on pre-emption. Returns (state, stopped)."""
   pending = None
   for step in range(start + 1, cfg.train.steps + 1):
     data_start = time.perf_counter()
     batch = next(batches)
     data_wait = time.perf_counter() - data_start
+    profiler.before(step)
     state, metrics = step_fn(state, batch)
+    profiler.after(step, metrics)
     if pending is not None:  # read one step late: the device is already busy with this step
       reporter(*pending)
       watchdog.beat(pending[0])
