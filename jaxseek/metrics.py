@@ -48,7 +48,7 @@ def flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
 
 
 @lru_cache(maxsize=1)
-def _cpu_probe_tflops() -> float:
+def cpu_matmul_tflops() -> float:
   """Measured float32 matmul rate of this host (all cores), in TFLOP/s."""
   n = 1024
   x = jnp.ones((n, n), jnp.float32)
@@ -71,7 +71,7 @@ def peak_tflops_per_device(override: float | None) -> tuple[float, str]:
     if name in kind.replace(" ", ""):
       return tflops, f"table ({device.device_kind})"
   if device.platform == "cpu":
-    return _cpu_probe_tflops() / jax.local_device_count(), "cpu matmul probe, shared by the simulated devices"
+    return cpu_matmul_tflops() / jax.local_device_count(), "cpu matmul probe, shared by the simulated devices"
   return float("nan"), f"unknown device {device.device_kind}; set metrics.peak_tflops"
 
 

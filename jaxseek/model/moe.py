@@ -123,10 +123,11 @@ def ffn_ragged(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
 
 
 def ffn_blocked(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
-  """SwiGLU per expert group as batched matmuls over row blocks, each block padded to one expert.
+  """SwiGLU per expert group over row blocks, each block padded to one expert (the CPU grouped matmul).
 
-  XLA:CPU lowers `ragged_dot` to a dense product with every group (E× the work); here each group is padded
-  to a multiple of the block size n, so the work is (R + E·n) rows instead of E·R.
+  XLA:CPU lowers `ragged_dot` to a dense product with every group (E× the work). Here each group is padded to a
+  multiple of the block size n and a loop visits the blocks in use, each block one expert's matmuls with that
+  expert's weights read in place, so the work is at most R + E·n rows and nothing E-sized is materialised.
   """
   R, D = x_RD.shape
   E = w_gate_EDm.shape[0]
@@ -140,10 +141,66 @@ def ffn_blocked(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
                      - (ends_E - sizes_E).at[group_R].get(mode="clip"), blocks * n)
   x_NnD = jnp.zeros((blocks * n, D), x_RD.dtype).at[dest_R].set(x_RD, mode="drop").reshape(blocks, n, D)
   expert_N = jnp.minimum(jnp.searchsorted(padded_ends_E, jnp.arange(blocks) * n, side="right"), E - 1)
-  gate_Nnm = jnp.einsum("NnD,NDm->Nnm", x_NnD, w_gate_EDm[expert_N])
-  up_Nnm = jnp.einsum("NnD,NDm->Nnm", x_NnD, w_up_EDm[expert_N])
-  y_NnD = jnp.einsum("Nnm,NmD->NnD", jax.nn.silu(gate_Nnm) * up_Nnm, w_down_EmD[expert_N])
+  # Under shard_map, give every operand the same varying mesh axes here, where autodiff turns that broadcast's
+  # transpose into the reductions the gradients need, so the custom backward below works on equal types.
+  zero = _zero(x_NnD, w_gate_EDm, w_up_EDm, w_down_EmD)
+  x_NnD, w_gate_EDm, w_up_EDm, w_down_EmD = (a + zero.astype(a.dtype)
+                                             for a in (x_NnD, w_gate_EDm, w_up_EDm, w_down_EmD))
+  y_NnD = _swiglu_blocks(x_NnD, expert_N, padded_ends_E[-1] // n, w_gate_EDm, w_up_EDm, w_down_EmD)
   return y_NnD.reshape(blocks * n, D).at[dest_R].get(mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def _swiglu_blocks(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
+  """y[i] = SwiGLU of block i with expert expert_N[i]'s weights for i < used, zeros after."""
+  return _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD)[0]
+
+
+def _zero(*arrays) -> jax.Array:
+  """A scalar 0 that varies over every manual mesh axis any of `arrays` varies over (inside shard_map, operands,
+  the two branches of a cond and a scan's carry must agree on that)."""
+  return sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in arrays)
+
+
+def _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
+  def block(_, inputs):
+    x_nD, e, i = inputs
+    swiglu = lambda: ((jax.nn.silu(x_nD @ w_gate_EDm[e]) * (x_nD @ w_up_EDm[e])) @ w_down_EmD[e]).astype(x_nD.dtype)
+    return None, jax.lax.cond(i < used, swiglu, lambda: jnp.zeros_like(x_nD))
+
+  _, y_NnD = jax.lax.scan(block, None, (x_NnD, expert_N, jnp.arange(x_NnD.shape[0])))
+  return y_NnD, (x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD)
+
+
+def _swiglu_blocks_bwd(residuals, dy_NnD):
+  """Recomputes each block's hidden activations (nothing per block is stored) and accumulates each expert's
+  weight gradients in place."""
+  x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD = residuals
+  zero = _zero(dy_NnD, x_NnD)  # dy may vary over fewer axes than the operands
+
+  def block(grads, inputs):
+    x_nD, dy_nD, e, i = inputs
+
+    def backward(dw_gate, dw_up, dw_down):
+      gate_nm, up_nm = x_nD @ w_gate_EDm[e], x_nD @ w_up_EDm[e]
+      sig_nm = jax.nn.sigmoid(gate_nm)
+      act_nm = gate_nm * sig_nm
+      dh_nm = dy_nD @ w_down_EmD[e].T
+      dup_nm = dh_nm * act_nm
+      dgate_nm = dh_nm * up_nm * sig_nm * (1 + gate_nm * (1 - sig_nm))
+      grads = (dw_gate.at[e].add((x_nD.T @ dgate_nm).astype(dw_gate.dtype)),
+               dw_up.at[e].add((x_nD.T @ dup_nm).astype(dw_up.dtype)),
+               dw_down.at[e].add(((act_nm * up_nm).T @ dy_nD).astype(dw_down.dtype)))
+      return grads, (dgate_nm @ w_gate_EDm[e].T + dup_nm @ w_up_EDm[e].T).astype(x_nD.dtype)
+
+    return jax.lax.cond(i < used, backward, lambda *g: (g, jnp.zeros_like(x_nD) + zero.astype(x_nD.dtype)), *grads)
+
+  zeros = tuple(jnp.zeros_like(w) + zero.astype(w.dtype) for w in (w_gate_EDm, w_up_EDm, w_down_EmD))
+  grads, dx_NnD = jax.lax.scan(block, zeros, (x_NnD, dy_NnD, expert_N, jnp.arange(x_NnD.shape[0])))
+  return (dx_NnD, None, None, *grads)
+
+
+_swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
 
 
 def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD) -> jax.Array:
