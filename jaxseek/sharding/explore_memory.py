@@ -100,12 +100,11 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
          Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none * 2, a, 2),
          Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none * 2, 1, 2),
          Tensor("expert weights (gathered)", "w", "moe", "eDm", (e, D, mm), none * 3, c, 3)]
-  if platform == "cpu":  # moe.ffn_blocked: rows padded per expert to blocks of n, one weight copy per block
+  if platform == "cpu":  # moe.ffn_blocked: rows padded per expert to blocks of n, visited one block at a time
     n = 2 ** int(math.log2(min(max(R // (4 * e), 8), 256)))
     blocks = -(-(R + e * (n - 1)) // n)
-    out += [Tensor("blocked rows", "rows", "moe", "RD", (blocks * n, D), none * 2, a, 1),
-            Tensor("expert hidden (blocked)", "h", "moe", "Rm", (blocks * n, mm), none * 2, a, 6),
-            Tensor("expert weights per block", "w", "moe", "NDm", (blocks, D, mm), none * 3, c, 3)]
+    out += [Tensor("blocked rows in and out", "rows", "moe", "RD", (blocks * n, D), none * 2, a, 2),
+            Tensor("expert hidden (one block)", "h", "moe", "Rm", (n, mm), none * 2, a, 6)]
   else:
     out.append(Tensor("expert hidden", "h", "moe", "Rm", (R, mm), none * 2, a, 6))
   return out
