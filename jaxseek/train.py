@@ -29,6 +29,7 @@ from jaxseek import optim
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import faults
 from jaxseek.errors import RunStopped, UserError, cli
+from jaxseek.model import pipeline as pipeline_lib
 from jaxseek.model.transformer import shift_left
 from jaxseek.sharding import explore_suggest
 from jaxseek.sharding import mesh as mesh_lib
@@ -64,7 +65,8 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
   everything else (step, counters) is replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.tree.map(
-      lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"])) if _is_variable(x) else replicated,
+      lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"], x.shape, mesh))
+      if _is_variable(x) else replicated,
       abstract_state, is_leaf=_is_variable)
 
 
@@ -74,7 +76,7 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
-                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat)
+                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches)
 
   with jax.set_mesh(mesh):
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
@@ -124,7 +126,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   objective = CE + λ/depth · Σ_k CE_k (multi-token prediction) + aux_loss_alpha · Σ_layers balance loss,
   each CE a sum over the whole batch divided by its token count, so accumulation gives the full-batch gradient.
   """
-  n_micro = cfg.train.microbatches
+  # With a pipeline the microbatches flow through the stages inside one forward pass instead.
+  n_micro = 1 if pipeline_stages(cfg) > 1 else cfg.train.microbatches
   depth = cfg.model.num_nextn_predict_layers
   n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
   n_mtp = [jnp.maximum(mtp_mask(batch, k).sum(), 1.0) for k in range(1, depth + 1)]
@@ -175,6 +178,24 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
                          opt_state=keep(opt_state, state.opt_state), loss_window=window)
   return new_state, metrics
+
+
+def pipeline_summary(cfg: config_lib.Config, stages: int) -> str:
+  """One line: the schedule, its bubble, and which layer stacks are pipelined."""
+  m, micro = cfg.model, cfg.train.microbatches
+  stacks = []
+  for name, n in (("dense", m.num_dense_layers), ("MoE", m.num_moe_layers)):
+    if n:
+      stacks.append(f"{name} stack {n // stages} layers per stage" if n % stages == 0 else
+                    f"{name} stack ({n} layers) on every stage")
+  return (f"pipeline: {stages} stages x {micro} microbatches (GPipe), bubble (S-1)/(M+S-1) = "
+          f"{100 * pipeline_lib.bubble_fraction(stages, micro):.1f}% | {', '.join(stacks)}; embedding, head and "
+          f"MTP on every stage")
+
+
+def pipeline_stages(cfg: config_lib.Config) -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else mesh.shape.get("pipeline", 1)
 
 
 def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:
@@ -288,6 +309,8 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
+  if mesh.shape["pipeline"] > 1:
+    _log(pipeline_summary(cfg, mesh.shape["pipeline"]))
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")

@@ -24,9 +24,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def build(cfg: ModelConfig, *, seed: int = 0, param_dtype: str = "float32", dtype: str = "float32",
-          remat: str = "none") -> Transformer:
-  """Builds the model with freshly initialised parameters (wrap in nnx.eval_shape to allocate nothing)."""
-  return Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=DTYPES[param_dtype], dtype=DTYPES[dtype], remat=remat)
+          remat: str = "none", microbatches: int = 1) -> Transformer:
+  """Builds the model with freshly initialised parameters (wrap in nnx.eval_shape to allocate nothing).
+  `microbatches` is the pipeline's microbatch count, used only on a mesh with a pipeline axis > 1."""
+  return Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=DTYPES[param_dtype], dtype=DTYPES[dtype], remat=remat,
+                     microbatches=microbatches)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -63,8 +63,15 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
   return spec(names, ACTIVATION_RULES)
 
 
-def param_spec(names: tuple[str | None, ...]) -> PartitionSpec:
-  return spec(names, PARAM_RULES)
+def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
+               mesh: jax.sharding.Mesh | None = None) -> PartitionSpec:
+  """A parameter's PartitionSpec. With a pipeline axis > 1 in `mesh`, a layer stack whose layer count it
+  divides is split into stages along it (jaxseek.model.pipeline runs those stacks as a pipeline)."""
+  out = spec(names, PARAM_RULES)
+  stages = mesh.shape.get("pipeline", 1) if mesh is not None else 1
+  if stages > 1 and names and names[0] == "layers" and shape is not None and shape[0] % stages == 0:
+    out = PartitionSpec("pipeline", *out[1:])
+  return out
 
 
 def mesh_axes(name: str, rules: Rules = ACTIVATION_RULES) -> tuple[str, ...]:
@@ -94,5 +101,8 @@ def logical_axes(state) -> object:
 
 def param_shardings(state, mesh: jax.sharding.Mesh, rules: Rules = PARAM_RULES):
   """NamedShardings for every Variable of an (abstract) nnx State, from its logical axes."""
-  return jax.tree.map(lambda v: NamedSharding(mesh, spec(v.get_metadata()["logical_axes"], rules)), state,
-                      is_leaf=_is_variable)
+  if rules is PARAM_RULES:
+    make = lambda v: param_spec(v.get_metadata()["logical_axes"], v.shape, mesh)
+  else:
+    make = lambda v: spec(v.get_metadata()["logical_axes"], rules)
+  return jax.tree.map(lambda v: NamedSharding(mesh, make(v)), state, is_leaf=_is_variable)
