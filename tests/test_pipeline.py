@@ -44,7 +44,8 @@ def single_device(name, layers):
     ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.data=2"), 8),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"), 8),
     ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2"), 4),
-], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4"])
+    ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=4", "train.remat=full"), 4),
+], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4", "v3-p2-remat"])
 def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
   """Losses and gradient norms over 5 steps (so MoE correction biases, updated from the loads the pipeline
   gathers, matter too) equal the single-device run."""
