@@ -406,10 +406,6 @@ def validate(cfg: Config) -> None:
   port = cfg.metrics.prometheus_port
   if port is not None and not 0 <= port <= 65535:
     raise UserError(f"config key metrics.prometheus_port: {port} is not a port number (0-65535; 0 picks a free one)")
-  stages = cfg.mesh.pipeline
-  if stages > 1 and not any(n and n % stages == 0 for n in (m.num_dense_layers, m.num_moe_layers)):
-    raise UserError(f"config key mesh.pipeline: {stages} divides neither layer stack ({m.num_dense_layers} dense, "
-                    f"{m.num_moe_layers} MoE layers); choose a pipeline size that divides one of them")
   if cfg.optim.clip_norm < 0:
     raise UserError(f"config key optim.clip_norm: {cfg.optim.clip_norm} must be ≥ 0 (0 turns clipping off)")
   if t.batch_size % t.microbatches:

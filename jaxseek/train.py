@@ -74,6 +74,11 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
   """eval_shape → shardings → jit(init, out_shardings): nothing is allocated until `trainer.init()`, and then the
   full model never exists unsharded on one device."""
 
+  m, stages = cfg.model, mesh.shape["pipeline"]
+  if stages > 1 and not any(n and n % stages == 0 for n in (m.num_dense_layers, m.num_moe_layers)):
+    raise UserError(f"config key mesh.pipeline: {stages} divides neither layer stack ({m.num_dense_layers} dense, "
+                    f"{m.num_moe_layers} MoE layers); choose a pipeline size that divides one of them")
+
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
                            dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches)

@@ -84,8 +84,9 @@ def test_layer_stacks_are_split_into_stages():
 
 
 def test_pipeline_that_divides_no_stack_is_refused():
+  cfg = load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")
   with pytest.raises(UserError, match="mesh.pipeline: 4 divides neither layer stack"):
-    load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")
+    train_lib.make_trainer(cfg, make_mesh(cfg))
 
 
 @pytest.mark.parametrize("before, after", [(("mesh.pipeline=2", "mesh.data=4"), ("mesh.data=4", "mesh.tensor=2")),
