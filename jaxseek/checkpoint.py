@@ -3,12 +3,17 @@
 Layout of `<run_dir>/checkpoints/<step>/` (one Orbax composite per step; a save that did not finish stays in a
 `*.orbax-checkpoint-tmp` folder, which resume ignores):
 
-  params     the model parameters (pure dict of arrays)      } all a converted checkpoint holds
-  biases     the MoE correction biases (pure dict)            }
-  opt_state  the optimiser state (pure pytree)
-  train      {step, loss window} of the train state
+  state      one Orbax PyTree of every array:
+               params     the model parameters (pure dict)          } all a converted checkpoint holds
+               biases     the MoE correction biases (pure dict)     } (biases only for models with them)
+               opt_state  the optimiser state
+               train      {step, loss window} of the train state
   data       the data-iterator state of every process (Grain, one JSON per process)
   config     the resolved config (JSON)
+
+All arrays are one item because every Orbax item costs the training loop time in each save (its own futures
+and threads): one item instead of four halves the part of an async save that blocks. Loading parameters only
+(fine-tuning, conversion) restores part of that tree.
 
 Arrays are restored into the abstract state of the current mesh (ShapeDtypeStruct with the new shardings),
 so a checkpoint written on one mesh shape resumes on another.
@@ -30,7 +35,8 @@ from flax import nnx
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError
 
-ITEMS = ("params", "biases", "opt_state", "train", "data", "config")
+ITEMS = ("state", "data", "config")
+STATE_PARTS = ("params", "biases", "opt_state", "train")
 # Orbax splits each replicated array's write across its replicas; every distinct slice shape costs a compile,
 # which on a first save of many small arrays blocks training for seconds. Only arrays whose per-replica slice
 # is at least this large are split; smaller ones are written by one replica.
@@ -89,12 +95,11 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_iterator: Any | None) -> float:
     """Starts writing a checkpoint of `state` (TrainState) at `step`; returns the seconds the caller was blocked."""
     start = time.perf_counter()
-    items = dict(params=ocp.args.StandardSave(to_pure(state.params)),
-                 opt_state=ocp.args.StandardSave(to_pure(state.opt_state)),
-                 train=ocp.args.StandardSave(to_pure(_train_fields(state))),
-                 config=ocp.args.JsonSave(config_lib.to_dict(self.cfg)))
-    if jax.tree.leaves(state.biases):  # Orbax refuses empty items; models without correction biases have none
-      items["biases"] = ocp.args.StandardSave(to_pure(state.biases))
+    arrays = dict(params=to_pure(state.params), opt_state=to_pure(state.opt_state),
+                  train=to_pure(_train_fields(state)))
+    if jax.tree.leaves(state.biases):  # models without correction biases have none
+      arrays["biases"] = to_pure(state.biases)
+    items = dict(state=ocp.args.PyTreeSave(arrays), config=ocp.args.JsonSave(config_lib.to_dict(self.cfg)))
     if data_iterator is not None:
       import grain
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -129,9 +134,9 @@ class Checkpointer:
     targets = {name: abstract_with_shardings(getattr(abstract_state, name), getattr(shardings, name))
                for name in ("params", "biases", "opt_state")}
     targets["train"] = abstract_with_shardings(_train_fields(abstract_state), _train_fields(shardings))
-    names = ("params", "biases") if params_only else ("params", "biases", "opt_state", "train")
+    names = ("params", "biases") if params_only else STATE_PARTS
     names = tuple(n for n in names if n != "biases" or jax.tree.leaves(abstract_state.biases))
-    items = {n: ocp.args.StandardRestore(targets[n]) for n in names}
+    items = {"state": restore_args({n: targets[n] for n in names}, partial=params_only)}
     resplit = None
     if data_iterator is not None and not params_only:
       resplit = self._data_states_if_resplit(step)
@@ -140,6 +145,7 @@ class Checkpointer:
         items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+      arrays = restored["state"]
     except (ValueError, KeyError, FileNotFoundError, OSError) as e:
       raise UserError(f"checkpoint {self.directory / str(step)} cannot be restored into this model "
                       f"({str(e).splitlines()[0][:200]}); it is corrupt or from another model") from None
@@ -149,12 +155,12 @@ class Checkpointer:
       if jax.process_index() == 0:
         print(f"data: checkpoint written by {len(resplit)} processes, now {jax.process_count()}: the data streams "
               f"restart after the furthest point any old process reached (docs/data.md)", flush=True)
-    values = {n: from_pure(getattr(abstract_state, n), restored[n]) if n in restored else getattr(abstract_state, n)
+    values = {n: from_pure(getattr(abstract_state, n), arrays[n]) if n in arrays else getattr(abstract_state, n)
               for n in ("params", "biases")}
     if params_only:
       return values
-    values["opt_state"] = from_pure(abstract_state.opt_state, restored["opt_state"])
-    values.update(restored["train"])
+    values["opt_state"] = from_pure(abstract_state.opt_state, arrays["opt_state"])
+    values.update(arrays["train"])
     return dataclasses.replace(abstract_state, **values)
 
   def _data_states_if_resplit(self, step: int) -> list | None:
@@ -171,6 +177,13 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def restore_args(target: dict, *, partial: bool) -> ocp.args.PyTreeRestore:
+  """Restores the `state` item into `target` (ShapeDtypeStructs with shardings); `partial`: only the parts
+  `target` names (parameters without the optimiser state)."""
+  return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                partial_restore=partial)
 
 
 def _train_fields(state: Any) -> dict[str, Any]:

@@ -176,7 +176,7 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
     train_lib.run(other)
   (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save that never finished
   assert checkpoint_lib.Checkpointer(cfg, tmp_path, read_only=True).latest_step() == 2
-  for path in (tmp_path / "checkpoints" / "2" / "params").rglob("*"):
+  for path in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
     if path.is_file() and path.stat().st_size > 0 and "zarray" not in path.name:
       path.write_bytes(b"garbage")
   with pytest.raises(UserError, match="cannot be restored|corrupt"):

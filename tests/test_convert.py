@@ -87,7 +87,7 @@ def test_jaxseek_checkpoint_layout_and_load_pretrained(tmp_path):
   with ocp.CheckpointManager(tmp_path / "jax" / "checkpoints") as manager:
     assert manager.latest_step() == 0
   assert sorted(p.name for p in (tmp_path / "jax" / "checkpoints" / "0").iterdir() if p.is_dir()) == \
-      ["biases", "config", "params"]
+      ["config", "state"]
   from_hf, from_ckpt = variables(pretrained.load_pretrained(source)), variables(
       pretrained.load_pretrained(tmp_path / "jax"))
   assert from_hf.keys() == from_ckpt.keys()

@@ -2,9 +2,9 @@
 checkpoint layout that conversion writes and training resumes from:
 
   <dir>/config.yaml                     the resolved Config (model section = the converted ModelConfig)
-  <dir>/checkpoints/<step>/params       Orbax item: nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  <dir>/checkpoints/<step>/biases       Orbax item: nnx.to_pure_dict(nnx.state(model, RouterBias))
-                                        (only for models that have MoE correction biases)
+  <dir>/checkpoints/<step>/state        Orbax PyTree item {params: nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                                        biases: the same of RouterBias (only for models with MoE correction
+                                        biases)}: the parameter part of a training checkpoint's `state`
   <dir>/checkpoints/<step>/config       Orbax JSON item: the same Config (training checkpoints record it too)
 """
 
@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import config as config_lib
 from jaxseek import model as model_lib
 from jaxseek.config import ModelConfig
@@ -109,13 +110,12 @@ def save_checkpoint(model: Transformer, cfg: ModelConfig, out: str | Path) -> Pa
   out.mkdir(parents=True, exist_ok=True)
   full = config_lib.Config(model=cfg)
   config_lib.dump(full, out / "config.yaml")
-  items = {name: nnx.to_pure_dict(nnx.state(model, kind)) for name, kind in ITEMS.items()}
-  args = {name: ocp.args.StandardSave(tree) for name, tree in items.items() if tree}  # Orbax rejects empty items
-  args["config"] = ocp.args.JsonSave(config_lib.to_dict(full))  # as training checkpoints record it
+  parts = {name: nnx.to_pure_dict(nnx.state(model, kind)) for name, kind in ITEMS.items()}
+  args = {"state": ocp.args.PyTreeSave({name: tree for name, tree in parts.items() if tree}),
+          "config": ocp.args.JsonSave(config_lib.to_dict(full))}  # as training checkpoints record it
   # One zarr array per Variable rather than the OCDBT store, whose transaction holds every write in memory until
   # it commits (a copy of the model on top of the model); restore reads either layout.
-  handlers = {name: ocp.StandardCheckpointHandler(use_ocdbt=False) for name in args if name != "config"}
-  handlers["config"] = ocp.JsonCheckpointHandler()
+  handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False), "config": ocp.JsonCheckpointHandler()}
   with ocp.CheckpointManager(out / "checkpoints", item_handlers=handlers) as manager:
     manager.save(0, args=ocp.args.Composite(**args))
     manager.wait_until_finished()
@@ -148,7 +148,7 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
         abstract[name] = tree
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
-          **{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}))
+          state=checkpoint_lib.restore_args(abstract, partial=True)))["state"]
     except (ValueError, KeyError, FileNotFoundError) as e:
       first = (str(e).strip().splitlines() or [type(e).__name__])[0]
       raise UserError(f"checkpoint {path / 'checkpoints' / str(step)} does not match {path / 'config.yaml'} "
@@ -224,16 +224,14 @@ def inspect(path: str | Path) -> list[str]:
   import orbax.checkpoint as ocp
 
   cfg = config_lib.load(path / "config.yaml")
-  handlers = {**{name: ocp.StandardCheckpointHandler() for name in ITEMS}, "config": ocp.JsonCheckpointHandler()}
+  handlers = {"state": ocp.PyTreeCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
   with ocp.CheckpointManager((path / "checkpoints").absolute(), item_names=tuple(handlers),
                              item_handlers=handlers) as manager:
     step = manager.latest_step()
     if step is None:
       raise UserError(f"{path / 'checkpoints'} holds no finished checkpoint step")
-    metadata = manager.item_metadata(step)
+    tree = manager.item_metadata(step)["state"]
     lines = [f"jaxseek checkpoint {path} (step {step})", f"variant: {describe(cfg.model)}"]
-    for name in ITEMS:
-      tree = metadata[name] if name in metadata else None
-      for p, leaf in _flatten(dict(tree) if tree else {}):
-        lines.append(f"{name}/{'.'.join(map(str, p))}  {list(leaf.shape)}  {np.dtype(leaf.dtype)}")
+    for p, leaf in _flatten(dict(tree.tree if hasattr(tree, "tree") else tree) if tree else {}):
+      lines.append(f"{p[0]}/{'.'.join(map(str, p[1:]))}  {list(leaf.shape)}  {np.dtype(leaf.dtype)}")
   return lines
