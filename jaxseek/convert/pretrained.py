@@ -10,6 +10,7 @@ checkpoint layout that conversion writes and training resumes from:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax
@@ -116,10 +117,15 @@ def save_checkpoint(model: Transformer, cfg: ModelConfig, out: str | Path) -> Pa
   # One zarr array per Variable rather than the OCDBT store, whose transaction holds every write in memory until
   # it commits (a copy of the model on top of the model); restore reads either layout.
   handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False), "config": ocp.JsonCheckpointHandler()}
+  logging.getLogger("absl").addFilter(_not_ocdbt_merge)  # Orbax notes, harmlessly, that there is no OCDBT to merge
   with ocp.CheckpointManager(out / "checkpoints", item_handlers=handlers) as manager:
     manager.save(0, args=ocp.args.Composite(**args))
     manager.wait_until_finished()
   return out
+
+
+def _not_ocdbt_merge(record: logging.LogRecord) -> bool:
+  return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
 def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
