@@ -31,7 +31,7 @@ def main() -> None:
   import common
   from jaxseek import train as train_lib
   from jaxseek.input import global_batches
-  from jaxseek.model.pipeline import bubble_fraction
+  from jaxseek.sharding.pipeline import bubble_fraction
   from jaxseek.sharding.mesh import make_mesh
 
   model = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8,

@@ -29,10 +29,10 @@ from jaxseek import optim
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import faults
 from jaxseek.errors import RunStopped, UserError, cli
-from jaxseek.model import pipeline as pipeline_lib
 from jaxseek.model.transformer import shift_left
 from jaxseek.sharding import explore_suggest
 from jaxseek.sharding import mesh as mesh_lib
+from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding.rules import param_spec, shard
 
 
@@ -132,7 +132,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   each CE a sum over the whole batch divided by its token count, so accumulation gives the full-batch gradient.
   """
   # With a pipeline the microbatches flow through the stages inside one forward pass instead.
-  n_micro = 1 if pipeline_stages(cfg) > 1 else cfg.train.microbatches
+  n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
   depth = cfg.model.num_nextn_predict_layers
   n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
   n_mtp = [jnp.maximum(mtp_mask(batch, k).sum(), 1.0) for k in range(1, depth + 1)]
@@ -183,24 +183,6 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
                          opt_state=keep(opt_state, state.opt_state), loss_window=window)
   return new_state, metrics
-
-
-def pipeline_summary(cfg: config_lib.Config, stages: int) -> str:
-  """One line: the schedule, its bubble, and which layer stacks are pipelined."""
-  m, micro = cfg.model, cfg.train.microbatches
-  stacks = []
-  for name, n in (("dense", m.num_dense_layers), ("MoE", m.num_moe_layers)):
-    if n:
-      stacks.append(f"{name} stack {n // stages} layers per stage" if n % stages == 0 else
-                    f"{name} stack ({n} layers) on every stage")
-  return (f"pipeline: {stages} stages x {micro} microbatches (GPipe), bubble (S-1)/(M+S-1) = "
-          f"{100 * pipeline_lib.bubble_fraction(stages, micro):.1f}% | {', '.join(stacks)}; embedding, head and "
-          f"MTP on every stage")
-
-
-def pipeline_stages(cfg: config_lib.Config) -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty else mesh.shape.get("pipeline", 1)
 
 
 def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:
@@ -315,7 +297,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
   if mesh.shape["pipeline"] > 1:
-    _log(pipeline_summary(cfg, mesh.shape["pipeline"]))
+    _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"]))
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")

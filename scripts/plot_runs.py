@@ -129,6 +129,27 @@ def _line(ax, xs: list[int], ys: list[float], **kwargs) -> None:
   ax.plot(xs, ys, **kwargs)
 
 
+def _draw_run(axes, label: str, metrics: dict[str, list], color: str, smooth: int, has: dict[str, bool]) -> None:
+  """One run's curves on the four panels; marks in `has` which panels got data."""
+  ax_loss, ax_tps, ax_mfu, ax_moe = axes
+  steps, loss = series(metrics, "loss")
+  if smooth > 1:
+    _line(ax_loss, steps, loss, color=color, alpha=0.25, linewidth=1)
+    ax_loss.plot(steps, moving_average(loss, smooth), color=color, linewidth=1.8, label=label)
+  else:
+    _line(ax_loss, steps, loss, color=color, linewidth=1.5, label=label)
+  for ax, key, scale in ((ax_tps, "tokens_per_sec", 1.0), (ax_mfu, "mfu", 100.0)):
+    xs, ys = series(metrics, key, scale)
+    if xs:
+      has[key] = True
+      _line(ax, xs, ys, color=color, linewidth=1.5, label=label)
+  for key, style in ((MOE_KEY, dict(linewidth=1.5, label=label)), (MOE_WORST_KEY, dict(linewidth=1.2, linestyle="--"))):
+    xs, ys = series(metrics, key)
+    if xs:
+      has[MOE_KEY] = True
+      _line(ax_moe, xs, ys, color=color, **style)
+
+
 def plot(runs: dict[str, dict[str, list]], out: str | Path, smooth: int = 1) -> Path:
   """Draws the runs (legend label → load_metrics output) into one PNG at out; returns its path."""
   try:
@@ -158,26 +179,7 @@ def plot(runs: dict[str, dict[str, list]], out: str | Path, smooth: int = 1) -> 
 
   has = {"tokens_per_sec": False, "mfu": False, MOE_KEY: False}
   for i, (label, metrics) in enumerate(runs.items()):
-    color = f"C{i % 10}"
-    steps, loss = series(metrics, "loss")
-    if smooth > 1:
-      _line(ax_loss, steps, loss, color=color, alpha=0.25, linewidth=1)
-      ax_loss.plot(steps, moving_average(loss, smooth), color=color, linewidth=1.8, label=label)
-    else:
-      _line(ax_loss, steps, loss, color=color, linewidth=1.5, label=label)
-    for ax, key, scale in ((ax_tps, "tokens_per_sec", 1.0), (ax_mfu, "mfu", 100.0)):
-      xs, ys = series(metrics, key, scale)
-      if xs:
-        has[key] = True
-        _line(ax, xs, ys, color=color, linewidth=1.5, label=label)
-    xs, ys = series(metrics, MOE_KEY)
-    if xs:
-      has[MOE_KEY] = True
-      _line(ax_moe, xs, ys, color=color, linewidth=1.5, label=label)
-    xs, ys = series(metrics, MOE_WORST_KEY)
-    if xs:
-      has[MOE_KEY] = True
-      _line(ax_moe, xs, ys, color=color, linewidth=1.2, linestyle="--")
+    _draw_run((ax_loss, ax_tps, ax_mfu, ax_moe), label, metrics, f"C{i % 10}", smooth, has)
 
   ax_loss.legend(fontsize=9)
   if not has["tokens_per_sec"]:

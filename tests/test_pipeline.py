@@ -12,7 +12,7 @@ from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import train as train_lib
 from jaxseek.errors import UserError
 from jaxseek.input import GlobalBatches, global_batches
-from jaxseek.model import pipeline
+from jaxseek.sharding import pipeline
 from jaxseek.sharding.mesh import make_mesh
 
 STEPS = 5
@@ -78,7 +78,7 @@ def test_layer_stacks_are_split_into_stages():
   assert moe_spec[0] == "pipeline"  # 2 MoE layers: one per stage
   assert dense_spec[0] is None  # 1 dense layer: on every stage
   assert pipeline.bubble_fraction(2, 4) == pytest.approx(1 / 5)
-  summary = train_lib.pipeline_summary(cfg, 2)
+  summary = pipeline.summary(cfg, 2)
   assert "bubble (S-1)/(M+S-1) = 20.0%" in summary and "MoE stack 1 layers per stage" in summary
   assert "dense stack (1 layers) on every stage" in summary
 

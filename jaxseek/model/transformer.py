@@ -9,8 +9,8 @@ from flax import nnx
 from jaxseek.config import ModelConfig
 from jaxseek.model.attention import make_attention
 from jaxseek.model.layers import MLP, Embed, RMSNorm, param
-from jaxseek.model import pipeline
 from jaxseek.model.moe import MoE
+from jaxseek.sharding import pipeline
 from jaxseek.sharding.rules import shard
 
 ACT_BTD = ("batch", "length", "embed")

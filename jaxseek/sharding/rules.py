@@ -66,7 +66,7 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
 def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
                mesh: jax.sharding.Mesh | None = None) -> PartitionSpec:
   """A parameter's PartitionSpec. With a pipeline axis > 1 in `mesh`, a layer stack whose layer count it
-  divides is split into stages along it (jaxseek.model.pipeline runs those stacks as a pipeline)."""
+  divides is split into stages along it (jaxseek.sharding.pipeline runs those stacks as a pipeline)."""
   out = spec(names, PARAM_RULES)
   stages = mesh.shape.get("pipeline", 1) if mesh is not None else 1
   if stages > 1 and names and names[0] == "layers" and shape is not None and shape[0] % stages == 0:

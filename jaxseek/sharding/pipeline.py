@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxseek.config import Config
+
 AXIS = "pipeline"
 
 
@@ -34,6 +36,19 @@ def stages() -> int:
 
 def bubble_fraction(num_stages: int, microbatches: int) -> float:
   return (num_stages - 1) / (microbatches + num_stages - 1)
+
+
+def summary(cfg: Config, stages: int) -> str:
+  """One line: the schedule, its bubble, and which layer stacks are pipelined."""
+  m, micro = cfg.model, cfg.train.microbatches
+  stacks = []
+  for name, n in (("dense", m.num_dense_layers), ("MoE", m.num_moe_layers)):
+    if n:
+      stacks.append(f"{name} stack {n // stages} layers per stage" if n % stages == 0 else
+                    f"{name} stack ({n} layers) on every stage")
+  return (f"pipeline: {stages} stages x {micro} microbatches (GPipe), bubble (S-1)/(M+S-1) = "
+          f"{100 * bubble_fraction(stages, micro):.1f}% | {', '.join(stacks)}; embedding, head and "
+          f"MTP on every stage")
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
