@@ -74,10 +74,7 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
   """eval_shape → shardings → jit(init, out_shardings): nothing is allocated until `trainer.init()`, and then the
   full model never exists unsharded on one device."""
 
-  m, stages = cfg.model, mesh.shape["pipeline"]
-  if stages > 1 and not any(n and n % stages == 0 for n in (m.num_dense_layers, m.num_moe_layers)):
-    raise UserError(f"config key mesh.pipeline: {stages} divides neither layer stack ({m.num_dense_layers} dense, "
-                    f"{m.num_moe_layers} MoE layers); choose a pipeline size that divides one of them")
+  pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
@@ -283,6 +280,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   """mesh → run directory → state (restored or new) → data → loop. Returns the summary."""
   mesh = mesh_lib.make_mesh(cfg)
   print(mesh_lib.startup_line(mesh), flush=True)
+  pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])  # before the run directory is touched
   run_dir = prepare_run_dir(cfg)
   trainer = make_trainer(cfg, mesh)
   batches = input_lib.GlobalBatches(cfg, mesh)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxseek.config import Config
+from jaxseek.errors import UserError
 
 AXIS = "pipeline"
 
@@ -36,6 +37,14 @@ def stages() -> int:
 
 def bubble_fraction(num_stages: int, microbatches: int) -> float:
   return (num_stages - 1) / (microbatches + num_stages - 1)
+
+
+def check_stacks(cfg: Config, stages: int) -> None:
+  """Refuses a pipeline size that divides neither layer stack (nothing would be pipelined)."""
+  m = cfg.model
+  if stages > 1 and not any(n and n % stages == 0 for n in (m.num_dense_layers, m.num_moe_layers)):
+    raise UserError(f"config key mesh.pipeline: {stages} divides neither layer stack ({m.num_dense_layers} dense, "
+                    f"{m.num_moe_layers} MoE layers); choose a pipeline size that divides one of them")
 
 
 def summary(cfg: Config, stages: int) -> str:
