@@ -10,7 +10,6 @@ A's bit for bit (metrics.jsonl, the last record of each step).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import subprocess
@@ -18,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jaxseek.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,12 +31,7 @@ def command(run_dir: Path, steps: int) -> list[str]:
 
 def losses(run_dir: Path) -> dict[int, float]:
   path = run_dir / "metrics.jsonl"
-  out = {}
-  if path.exists():
-    for line in path.read_text().splitlines():
-      record = json.loads(line)
-      out[record["step"]] = record["loss"]
-  return out
+  return {record["step"]: record["loss"] for record in read_jsonl(path)} if path.exists() else {}
 
 
 def main() -> None:

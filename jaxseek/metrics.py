@@ -106,17 +106,36 @@ class Writer:
 
 
 class Jsonl:
-  """metrics.jsonl: one JSON object per written step (appended, so a resumed run continues the file)."""
+  """metrics.jsonl: one JSON object per written step, appended, so a resumed run continues the file.
+
+  Each record goes out in one write(2) of a whole line. A run killed mid-write can leave a partial last line;
+  opening the file again cuts it off, so the records after a resume start on a line of their own.
+  """
 
   def __init__(self, path: Path):
-    self.file = open(path, "a")
+    self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    size = os.fstat(self.fd).st_size
+    if size:
+      with open(path, "rb") as f:
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+      if not tail.endswith(b"\n"):
+        cut = tail.rfind(b"\n")
+        os.truncate(path, size - len(tail) + cut + 1 if cut >= 0 else size - len(tail))
 
   def write(self, step: int, record: dict) -> None:
-    self.file.write(json.dumps(record) + "\n")
-    self.file.flush()
+    line = (json.dumps(record) + "\n").encode()
+    while line:
+      line = line[os.write(self.fd, line):]
 
   def close(self) -> None:
-    self.file.close()
+    os.close(self.fd)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+  """The complete records of a metrics.jsonl; a last line still being written (no newline yet) is left out."""
+  text = Path(path).read_text()
+  return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 class Console:

@@ -1,6 +1,5 @@
 """Checkpoints and faults: exact resume after SIGKILL and SIGTERM, resharding, bad steps, integrity."""
 
-import json
 import os
 import random
 import signal
@@ -19,6 +18,7 @@ from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import train as train_lib
 from jaxseek.errors import RunStopped, UserError
 from jaxseek.input import GlobalBatches
+from jaxseek.metrics import read_jsonl
 from jaxseek.sharding.mesh import make_mesh
 
 RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=8",
@@ -27,11 +27,7 @@ RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.n
 
 def losses(run_dir: Path) -> dict[int, float]:
   """Loss per step from metrics.jsonl; a step logged twice (before a kill and after the resume) keeps the last."""
-  out = {}
-  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-    record = json.loads(line)
-    out[record["step"]] = record["loss"]
-  return out
+  return {record["step"]: record["loss"] for record in read_jsonl(run_dir / "metrics.jsonl")}
 
 
 def start(run_dir, env, *extra):
@@ -135,7 +131,7 @@ def test_nonfinite_loss_stops_and_checkpoints_stay_finite(tmp_path):
                     "train.steps=40", "checkpoint.every=1", "checkpoint.async_save=false", f"train.run_dir={tmp_path}")
   with pytest.raises(RunStopped, match="parameters were not updated"):
     train_lib.run(cfg)
-  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  records = read_jsonl(tmp_path / "metrics.jsonl")
   assert records[-1]["nonfinite"] == 1
   ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints", read_only=True)
   mesh = make_mesh(cfg)

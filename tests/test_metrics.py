@@ -139,3 +139,24 @@ def test_prometheus_port_in_use_is_a_one_line_error(tmp_path):
     cfg = load_config("tiny-v3", f"metrics.prometheus_port={busy.getsockname()[1]}")
     with pytest.raises(UserError, match="choose a free port"):
       metrics_lib.Writer(tmp_path, cfg)
+
+
+def test_jsonl_reader_skips_a_line_being_written_and_writer_repairs_a_cut_line(tmp_path):
+  """A reader racing the writer sees only whole records; a run killed mid-line leaves a partial last line, and
+  the next run's writer cuts it off, so every line of the file parses after the resume."""
+  path = tmp_path / "metrics.jsonl"
+  sink = metrics_lib.Jsonl(path)
+  sink.write(1, {"step": 1, "loss": 2.5})
+  sink.write(2, {"step": 2, "loss": 2.25})
+  sink.close()
+  whole = path.read_bytes()
+  path.write_bytes(whole + b'{"step": 3, "lo')  # killed mid-write
+  assert metrics_lib.read_jsonl(path) == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+  sink = metrics_lib.Jsonl(path)
+  assert path.read_bytes() == whole
+  sink.write(3, {"step": 3, "loss": 2.0})
+  sink.close()
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+  path.write_bytes(b'{"step": 1, "lo')  # a file holding only a cut line is emptied
+  metrics_lib.Jsonl(path).close()
+  assert path.read_bytes() == b""
