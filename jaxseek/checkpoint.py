@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError
+from jaxseek.sharding import pipeline
 
 ITEMS = ("state", "data", "config")
 STATE_PARTS = ("params", "biases", "opt_state", "train")
@@ -99,7 +101,10 @@ class Checkpointer:
                   train=to_pure(_train_fields(state)))
     if jax.tree.leaves(state.biases):  # models without correction biases have none
       arrays["biases"] = to_pure(state.biases)
-    items = dict(state=ocp.args.PyTreeSave(arrays), config=ocp.args.JsonSave(config_lib.to_dict(self.cfg)))
+    stages, repeats = pipeline.layout(self.cfg, _pipeline_size(state.params))
+    saved_config = {**config_lib.to_dict(self.cfg),
+                    "storage": {"pipeline_stages": stages, "pipeline_repeats": repeats}}  # the layer order
+    items = dict(state=ocp.args.PyTreeSave(arrays), config=ocp.args.JsonSave(saved_config))
     if data_iterator is not None:
       import grain
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -114,8 +119,8 @@ class Checkpointer:
                       f"it is incomplete or corrupt: delete that step folder to resume from an earlier one") from None
     return restored["config"]
 
-  def check_compatible(self, step: int) -> None:
-    """Refuses a checkpoint written for another model, naming the first key that differs."""
+  def check_compatible(self, step: int) -> dict:
+    """Refuses a checkpoint written for another model, naming the first key that differs; returns its config."""
     saved = self.saved_config(step)
     current = config_lib.to_dict(self.cfg)
     for section in ("model",):
@@ -126,11 +131,12 @@ class Checkpointer:
         if old != value and not (isinstance(value, tuple) and list(value) == old):
           raise UserError(f"checkpoint {self.directory / str(step)} was written for {section}.{key}={old!r} but this "
                           f"run has {section}.{key}={value!r}; use a matching config or another train.run_dir")
+    return saved
 
   def restore(self, step: int, abstract_state: Any, shardings: Any, data_iterator: Any | None, *,
               params_only: bool = False) -> Any:
     """The TrainState at `step`, placed on the current mesh (params and biases only when `params_only`)."""
-    self.check_compatible(step)
+    source = pipeline.saved_layout(self.check_compatible(step))
     targets = {name: abstract_with_shardings(getattr(abstract_state, name), getattr(shardings, name))
                for name in ("params", "biases", "opt_state")}
     targets["train"] = abstract_with_shardings(_train_fields(abstract_state), _train_fields(shardings))
@@ -155,6 +161,8 @@ class Checkpointer:
       if jax.process_index() == 0:
         print(f"data: checkpoint written by {len(resplit)} processes, now {jax.process_count()}: the data streams "
               f"restart after the furthest point any old process reached (docs/data.md)", flush=True)
+    target = pipeline.layout(self.cfg, _pipeline_size(shardings.params))
+    arrays = _reorder(arrays, self.cfg.model, source, target)
     values = {n: from_pure(getattr(abstract_state, n), arrays[n]) if n in arrays else getattr(abstract_state, n)
               for n in ("params", "biases")}
     if params_only:
@@ -177,6 +185,30 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _pipeline_size(tree: Any) -> int:
+  """The pipeline axis size of the mesh the leaves of `tree` (arrays or shardings) live on."""
+  for leaf in jax.tree.leaves(tree):
+    sharding = leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return sharding.mesh.shape.get(pipeline.AXIS, 1)
+  return 1
+
+
+def _reorder(arrays: dict, model_cfg: config_lib.ModelConfig, source: pipeline.Layout,
+             target: pipeline.Layout) -> dict:
+  """Restored arrays from the layer order they were saved in to the one this run stores, one array at a time
+  (sharding kept, the old array donated)."""
+  stacks = pipeline.stack_sizes(model_cfg)
+
+  def one(path, leaf):
+    index = pipeline.reorder_index(path, stacks, source, target)
+    if index is None:
+      return leaf
+    return jax.jit(lambda x: jnp.take(x, index, axis=0), out_shardings=leaf.sharding, donate_argnums=0)(leaf)
+
+  return jax.tree_util.tree_map_with_path(one, arrays)
 
 
 def restore_args(target: dict, *, partial: bool) -> ocp.args.PyTreeRestore:

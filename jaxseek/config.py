@@ -178,7 +178,8 @@ class TrainConfig:
   steps: int = 100
   batch_size: int = 8
   seq_len: int = 128
-  microbatches: int = 1
+  microbatches: int = 1  # gradient accumulation steps, or with mesh.pipeline > 1 the pipeline microbatches
+  pipeline_repeats: int = 1  # circular pipeline: layer chunks (virtual stages) per pipeline stage; 1 is GPipe
   seed: int = 0
   run_dir: str = "runs/default"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -360,7 +361,8 @@ def validate(cfg: Config) -> None:
   """Checks values that do not depend on the devices (the mesh builder checks the device count)."""
   m, t = cfg.model, cfg.train
   _positive(cfg, "model.vocab_size", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
-            "train.steps", "train.batch_size", "train.seq_len", "train.microbatches", "metrics.every")
+            "train.steps", "train.batch_size", "train.seq_len", "train.microbatches", "train.pipeline_repeats",
+            "metrics.every")
   sizes = cfg.mesh.sizes()
   if list(sizes.values()).count(-1) > 1:
     raise UserError("at most one mesh axis may be -1 (auto-filled); set the others to explicit sizes")

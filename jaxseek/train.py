@@ -17,6 +17,7 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -78,14 +79,20 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
-                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches)
+                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches,
+                           pipeline_repeats=cfg.train.pipeline_repeats)
 
   with jax.set_mesh(mesh):
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
   tx = optim.make(cfg.optim, cfg.train.steps, abstract_params)
 
+  storage = pipeline_lib.layout(cfg, mesh.shape["pipeline"])
+  stacks = pipeline_lib.stack_sizes(cfg.model)
+
   def init() -> TrainState:
     _, params, biases = nnx.split(create(), nnx.Param, ...)
+    # the same model as on one device, its layers in the storage order the pipeline schedule reads
+    params, biases = pipeline_lib.reorder((params, biases), stacks, (1, 1), storage)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params),
                       loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32))
 
@@ -173,7 +180,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
              "nonfinite": (~finite).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
   if depth:
     metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
-  metrics.update(_moe_metrics(loads, balance, biases))
+  order = pipeline_lib.storage_order(cfg.model.num_moe_layers, pipeline_lib.stages(), cfg.train.pipeline_repeats)
+  metrics.update(_moe_metrics(loads, balance, biases, np.argsort(order)))
   # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
@@ -190,8 +198,10 @@ def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Arr
   return full & (loss > jnp.nanmean(window) + sigma * jnp.nanstd(window))
 
 
-def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.State) -> dict[str, jax.Array]:
-  """Expert balance per step: load max/mean (mean, worst, per layer), dropped fraction, balance loss, bias range."""
+def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.State,
+                 logical: np.ndarray) -> dict[str, jax.Array]:
+  """Expert balance per step: load max/mean (mean, worst, per layer), dropped fraction, balance loss, bias range.
+  Per-layer values come in the MoE stack's storage order; `logical` indexes them into layer order."""
   metrics = {}
   if "load" in loads:
     load_LE = loads["load"]
@@ -200,14 +210,15 @@ def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.St
     metrics["moe_load_max_over_mean"] = max_over_mean_L.mean()
     metrics["moe_load_max_over_mean_worst"] = max_over_mean_L.max()
     metrics["moe_dropped_fraction"] = loads["dropped"].sum() / jnp.maximum(load_LE.sum(), 1.0)
-    metrics["moe_load_max_over_mean_by_layer"] = max_over_mean_L  # one value per MoE layer (lists in metrics.jsonl)
-    metrics["moe_dropped_fraction_by_layer"] = loads["dropped"] / jnp.maximum(load_LE.sum(-1), 1.0)
+    # one value per MoE layer (lists in metrics.jsonl)
+    metrics["moe_load_max_over_mean_by_layer"] = max_over_mean_L[logical]
+    metrics["moe_dropped_fraction_by_layer"] = (loads["dropped"] / jnp.maximum(load_LE.sum(-1), 1.0))[logical]
   if jax.tree.leaves(biases):
     ranges = [b.max(-1) - b.min(-1) for b in jax.tree.leaves(biases)]
     metrics["moe_bias_range"] = jnp.stack([r.max() for r in ranges]).max()
     by_layer = [r for r in ranges if r.ndim == 1]  # the MoE stack's [layers] (MTP biases give scalars)
     if by_layer:
-      metrics["moe_bias_range_by_layer"] = by_layer[0]
+      metrics["moe_bias_range_by_layer"] = by_layer[0][logical]
   return metrics
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (GPipe over the `pipeline` axis) against the single-device run."""
+"""Pipeline parallelism over the `pipeline` axis (GPipe and circular schedules) against the single-device run."""
 
 import functools
 import re
@@ -28,7 +28,10 @@ def run(name, overrides, devices=None, steps=STEPS):
   with jax.set_mesh(mesh):
     for _ in range(steps):
       state, metrics = step_fn(state, next(batches))
-      out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+      # per-MoE-layer loads and biases too: they must come back in layer order from any storage order
+      out.append([float(metrics["loss"]), float(metrics["grad_norm"]),
+                  *np.ravel(metrics.get("moe_load_max_over_mean_by_layer", [])),
+                  *np.ravel(metrics.get("moe_bias_range_by_layer", []))])
   return np.array(out)
 
 
@@ -45,10 +48,19 @@ def single_device(name, layers):
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"), 8),
     ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2"), 4),
     ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=4", "train.remat=full"), 4),
-], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4", "v3-p2-remat"])
+    # circular: 2 chunks per stage (layers stored out of order, see pipeline.storage_order)
+    ("tiny-dense", 4, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), 4),
+    ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2"), 8),
+    ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), 4),
+    ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2"), 8),
+    ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2",
+                    "train.pipeline_repeats=2"), 4),
+    ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", "train.remat=full"), 1),
+], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4", "v3-p2-remat",
+        "dense-p2-r2-m4", "dense-p4-r2-m8", "v3-p2-r2-m4", "v3-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat"])
 def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
-  """Losses and gradient norms over 5 steps (so MoE correction biases, updated from the loads the pipeline
-  gathers, matter too) equal the single-device run."""
+  """Losses, gradient norms, and per-layer expert loads and bias ranges over 5 steps (so MoE correction biases,
+  updated from the loads the pipeline gathers, matter too) equal the single-device run."""
   got = run(name, (*mesh, f"train.microbatches={micro}", f"model.num_hidden_layers={layers}"))
   np.testing.assert_allclose(got, single_device(name, layers), rtol=1e-5)
 
@@ -70,6 +82,27 @@ def test_compiled_step_passes_activations_with_collective_permute():
   assert count(flat) == 0
 
 
+def test_circular_storage_order_and_bubble():
+  """Stage s holds chunks s, S + s, …: with 8 layers, 2 stages and 2 repeats, stage 0 stores layers 0, 1, 4, 5."""
+  np.testing.assert_array_equal(pipeline.storage_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])
+  np.testing.assert_array_equal(pipeline.storage_order(12, 2, 3), [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11])
+  np.testing.assert_array_equal(pipeline.storage_order(8, 2, 1), np.arange(8))  # GPipe: contiguous
+  np.testing.assert_array_equal(pipeline.storage_order(6, 2, 2), np.arange(6))  # 2·2 ∤ 6: GPipe for this stack
+  assert pipeline.stack_repeats(6, 2, 2) == 1 and pipeline.stack_repeats(5, 2, 2) == 0
+  for S, M, R in [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (4, 16, 4)]:
+    assert pipeline.num_ticks(S, M, R) == R * M + S - 1
+    assert pipeline.bubble_fraction(S, M, R) == pytest.approx((S - 1) / (R * M + S - 1))
+  # M not a multiple of S: the last group of microbatches is partial; its last item ends the schedule
+  assert pipeline.num_ticks(4, 6, 2) == (1 * 2 * 4) + (1 * 4) + 1 + 4
+  # reorder moves a stack from one storage order to another and back; other leaves pass through
+  tree = {"moe_layers": {"w": np.arange(8.0)[:, None]}, "embed": np.arange(3.0)}
+  moved = pipeline.reorder(tree, {"moe_layers": 8}, (1, 1), (2, 2))
+  np.testing.assert_array_equal(moved["moe_layers"]["w"][:, 0], pipeline.storage_order(8, 2, 2))
+  np.testing.assert_array_equal(moved["embed"], tree["embed"])
+  back = pipeline.reorder(moved, {"moe_layers": 8}, (2, 2), (4, 1))
+  np.testing.assert_array_equal(back["moe_layers"]["w"][:, 0], np.arange(8))
+
+
 def test_layer_stacks_are_split_into_stages():
   cfg = load_config("tiny-v3", "mesh.pipeline=2", "mesh.data=4", "train.microbatches=4")
   trainer = train_lib.make_trainer(cfg, make_mesh(cfg))
@@ -87,13 +120,23 @@ def test_pipeline_that_divides_no_stack_is_refused():
   cfg = load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")
   with pytest.raises(UserError, match="mesh.pipeline: 4 divides neither layer stack"):
     train_lib.make_trainer(cfg, make_mesh(cfg))
+  cfg = load_config("tiny-v3", "mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2")  # 2 MoE layers
+  with pytest.raises(UserError, match="train.pipeline_repeats: 2 repeats x 2 stages divides neither layer stack"):
+    train_lib.make_trainer(cfg, make_mesh(cfg))
+  with pytest.raises(UserError, match="train.pipeline_repeats: 0 must be"):
+    load_config("tiny-v3", "train.pipeline_repeats=0")
 
 
-@pytest.mark.parametrize("before, after", [(("mesh.pipeline=2", "mesh.data=4"), ("mesh.data=4", "mesh.tensor=2")),
-                                           (("mesh.data=4", "mesh.tensor=2"), ("mesh.pipeline=2", "mesh.data=4"))],
-                         ids=["p2-to-p1", "p1-to-p2"])
+P2, P2R2, FLAT = ("mesh.pipeline=2", "mesh.data=4"), ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), \
+    ("mesh.data=4", "mesh.tensor=2")
+
+
+@pytest.mark.parametrize("before, after", [(P2, FLAT), (FLAT, P2), (P2R2, FLAT), (FLAT, P2R2), (P2R2, P2)],
+                         ids=["p2-to-p1", "p1-to-p2", "p2r2-to-p1", "p1-to-p2r2", "p2r2-to-p2"])
 def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, after):
-  base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "train.microbatches=4")
+  """The next losses after a restore on another pipeline layout equal those of the run that saved."""
+  base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "train.microbatches=4",
+          "model.num_hidden_layers=5")
   cfg = load_config("tiny-v3", *before, *base)
   mesh = make_mesh(cfg)
   trainer, state = train_lib.init_state(cfg, mesh)
@@ -124,3 +167,32 @@ def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, af
       restored, metrics = new_step(restored, next(new_batches))
       got.append(float(metrics["loss"]))
   np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_export_of_a_circular_checkpoint_is_in_layer_order(tmp_path):
+  """A checkpoint of a circular pipeline stores its layers out of order; reading it back as a model (what
+  export to Hugging Face and load_pretrained use) gives the same parameters as a fresh flat model."""
+  from jaxseek.convert import pretrained
+  from flax import nnx
+
+  base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "model.num_hidden_layers=5")
+  cfg = load_config("tiny-v3", *P2R2, *base, "train.microbatches=4")
+  mesh = make_mesh(cfg)
+  trainer, state = train_lib.init_state(cfg, mesh)
+  train_lib.prepare_run_dir(cfg)
+  ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints")
+  ckpt.save(0, state, None)
+  ckpt.close()
+  stored = np.asarray(state.params["moe_layers"]["blocks"]["mlp"]["w_router_DE"][...])
+
+  flat_cfg = load_config("tiny-v3", "mesh.data=1", *base)
+  _, flat = train_lib.init_state(flat_cfg, make_mesh(flat_cfg, jax.devices()[:1]))
+  model, _, _ = pretrained.from_checkpoint(tmp_path)
+  got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  want = dict(nnx.to_flat_state(flat.params))
+  assert got.keys() == want.keys()
+  for key in want:
+    np.testing.assert_array_equal(np.asarray(got[key][...]), np.asarray(want[key][...]), err_msg=str(key))
+  flat_router = np.asarray(flat.params["moe_layers"]["blocks"]["mlp"]["w_router_DE"][...])
+  assert not np.array_equal(stored, flat_router)  # the saved layers really were out of order
+  np.testing.assert_array_equal(stored, flat_router[pipeline.storage_order(4, 2, 2)])

@@ -25,7 +25,7 @@ from jaxseek.convert import fp8, hf, mapping
 from jaxseek.errors import UserError
 from jaxseek.model.moe import RouterBias
 from jaxseek.model.transformer import Transformer
-from jaxseek.sharding import rules
+from jaxseek.sharding import pipeline, rules
 
 ITEMS = {"params": nnx.Param, "biases": RouterBias}
 
@@ -154,13 +154,16 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
         abstract[name] = tree
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
-          state=checkpoint_lib.restore_args(abstract, partial=True)))["state"]
+          state=checkpoint_lib.restore_args(abstract, partial=True), config=ocp.args.JsonRestore()))
     except (ValueError, KeyError, FileNotFoundError) as e:
       first = (str(e).strip().splitlines() or [type(e).__name__])[0]
       raise UserError(f"checkpoint {path / 'checkpoints' / str(step)} does not match {path / 'config.yaml'} "
                       f"({first[:200]})") from None
+  # layers saved in a circular pipeline's storage order go back to layer order
+  arrays = pipeline.reorder(restored["state"], pipeline.stack_sizes(cfg.model),
+                            pipeline.saved_layout(restored["config"] or {}), (1, 1))
   for name in abstract:
-    for p, value in _flatten(restored[name]):
+    for p, value in _flatten(arrays[name]):
       variables[p].set_value(value)
   return nnx.merge(graphdef, state), cfg, step
 

@@ -44,7 +44,7 @@ class Stack(nnx.Module):
   """`num_layers` identical blocks whose parameters are stacked on a leading "layers" axis, run by lax.scan."""
 
   def __init__(self, cfg: ModelConfig, num_layers: int, moe: bool, *, param_dtype, dtype, remat: str,
-               microbatches: int, rngs: nnx.Rngs):
+               microbatches: int, pipeline_repeats: int, rngs: nnx.Rngs):
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -58,6 +58,7 @@ class Stack(nnx.Module):
     self.remat = remat
     self.num_layers = num_layers
     self.microbatches = microbatches  # pipeline microbatches, used when the mesh has a pipeline axis > 1
+    self.pipeline_repeats = pipeline_repeats
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, valid_BT):
     graphdef, state = nnx.split(self.blocks)
@@ -68,8 +69,9 @@ class Stack(nnx.Module):
     if self.remat == "full":
       body = jax.checkpoint(body)
     side = (positions_BT, segment_ids_BT, valid_BT)
-    if pipeline.stages() > 1 and self.num_layers % pipeline.stages() == 0:
-      return pipeline.run(body, state, x_BTD, side, self.microbatches)
+    repeats = pipeline.stack_repeats(self.num_layers, pipeline.stages(), self.pipeline_repeats)
+    if repeats:
+      return pipeline.run(body, state, x_BTD, side, self.microbatches, repeats)
     return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state)
 
 
@@ -107,9 +109,10 @@ class Transformer(nnx.Module):
   """The DeepSeek language model: embedding, dense stack, MoE stack, final norm, head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-               remat: str = "none", microbatches: int = 1):
+               remat: str = "none", microbatches: int = 1, pipeline_repeats: int = 1):
     D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
-    kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, microbatches=microbatches, rngs=rngs)
+    kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, microbatches=microbatches,
+              pipeline_repeats=pipeline_repeats, rngs=rngs)
     self.embed = Embed(V, D, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.dense_layers = Stack(cfg, cfg.num_dense_layers, False, **kw) if cfg.num_dense_layers else None
     self.moe_layers = Stack(cfg, cfg.num_moe_layers, True, **kw) if cfg.num_moe_layers else None

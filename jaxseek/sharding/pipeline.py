@@ -1,26 +1,38 @@
-"""Pipeline parallelism over the `pipeline` mesh axis: a layer stack split into S stages, GPipe schedule.
+"""Pipeline parallelism over the `pipeline` mesh axis: a layer stack split into S stages, GPipe or circular.
 
-Stage s holds layers [s·L/S, (s+1)·L/S) of a stack (its "layers" axis is sharded on `pipeline`). The batch is
-split into M microbatches (rows m, m + M, m + 2M, … form microbatch m, so each keeps rows on every data shard).
-At tick t = 0 … M + S − 2 every stage runs its layers on the activation it holds, stage s working on
-microbatch t − s; then each stage passes its output to the next with `ppermute` (a collective-permute), and
-stage 0 takes microbatch t + 1. The last stage's outputs are the stack's output. Ticks where t − s falls outside
-[0, M) are the bubble: their results are discarded, and their MoE loads and balance terms masked out.
+GPipe (`train.pipeline_repeats=1`): stage s holds layers [s·L/S, (s+1)·L/S) of a stack. The batch is split into M
+microbatches (rows m, m + M, m + 2M, … form microbatch m, so each keeps rows on every data shard). At tick t
+every stage runs its layers on the activation it holds, stage s working on microbatch t − s; then each stage
+passes its output to the next with `ppermute` (a collective-permute), and stage 0 takes a new microbatch.
 
-  bubble fraction = (S − 1) / (M + S − 1)   of every stage's ticks (forward and backward alike)
+Circular (`train.pipeline_repeats=R > 1`): the stack is cut into S·R chunks of C = L/(S·R) layers, and stage s
+holds chunks s, S + s, 2S + s, … (virtual stages). A microbatch goes round the ring R times; each tick a stage
+runs one chunk (1/R of its layers), so the fill and drain ticks are R times shorter. Work items (microbatch m,
+round r) reach stage s at tick s + k with k = g·R·S + r·S + i, m = g·S + i: microbatches go in groups of S, and
+the ring's wrap-around (stage S − 1 → stage 0) delivers round r − 1's output exactly when round r needs it.
 
-The schedule is one `lax.scan` over ticks inside a `jax.shard_map` that is manual over `pipeline` only, so the
-other axes (data, fsdp, expert, tensor) keep their automatic sharding and the MoE's own shard_map nests inside.
-Autodiff turns each forward ppermute into the reverse one, so the backward pass runs the same schedule in
-reverse (all forwards, then all backwards: GPipe).
+  bubble fraction = (S − 1) / (R·M + S − 1)   of every stage's ticks (M a multiple of S; R = 1 is GPipe)
+
+Ticks whose work item falls outside the batch are the bubble: their results are discarded, and their MoE loads
+and balance terms masked out. The schedule is one `lax.scan` over ticks inside a `jax.shard_map` that is manual
+over `pipeline` only, so the other axes (data, fsdp, expert, tensor) keep their automatic sharding and the MoE's
+own shard_map nests inside. Autodiff turns each forward ppermute into the reverse one, so the backward pass
+runs the same schedule in reverse (all forwards, then all backwards).
+
+Storage order: with R > 1 each device must hold non-contiguous layers. A stack's "layers" axis stays sharded in
+contiguous blocks on `pipeline`, so its storage position p = (s, r, c) (row-major [S, R, C]) holds logical layer
+(r, s, c) (row-major [R, S, C]); `storage_order` gives that map. New parameters are put in storage order at
+initialisation; checkpoints record the layout they were written with and are re-ordered on restore and export
+(`reorder`), so a checkpoint moves between any pipeline settings and to Hugging Face in logical order.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxseek.config import Config
@@ -29,34 +41,113 @@ from jaxseek.errors import UserError
 AXIS = "pipeline"
 
 
+STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks, leading axis "layers"
+
+
 def stages() -> int:
   """Size of the pipeline axis of the active mesh (1 without a mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
   return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
 
 
-def bubble_fraction(num_stages: int, microbatches: int) -> float:
-  return (num_stages - 1) / (microbatches + num_stages - 1)
+def stack_repeats(num_layers: int, num_stages: int, repeats: int) -> int:
+  """Rounds a stack of `num_layers` makes: `repeats` when S·R divides it, 1 when only S does (GPipe), 0 when it
+  is not pipelined (it runs on every stage)."""
+  if num_stages <= 1 or not num_layers or num_layers % num_stages:
+    return 0
+  return repeats if num_layers % (num_stages * repeats) == 0 else 1
+
+
+def num_ticks(num_stages: int, microbatches: int, repeats: int) -> int:
+  """Ticks of the schedule: the last work item k_max starts on stage 0 and ends S − 1 ticks later."""
+  S, M, R = num_stages, microbatches, max(repeats, 1)
+  if R == 1:
+    return M + S - 1
+  groups = -(-M // S)
+  return (groups - 1) * R * S + (R - 1) * S + (M - (groups - 1) * S - 1) + S
+
+
+def bubble_fraction(num_stages: int, microbatches: int, repeats: int = 1) -> float:
+  """Share of every stage's ticks spent idle: 1 − R·M / ticks, = (S − 1)/(R·M + S − 1) when S divides M."""
+  return 1 - max(repeats, 1) * microbatches / num_ticks(num_stages, microbatches, repeats)
+
+
+def storage_order(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
+  """The logical layer held at each storage position of a stack (the identity except for circular stacks)."""
+  R = stack_repeats(num_layers, num_stages, repeats)
+  order = np.arange(num_layers)
+  if R <= 1:
+    return order
+  return order.reshape(R, num_stages, -1).transpose(1, 0, 2).reshape(-1)
+
+
+Layout = tuple[int, int]  # (pipeline stages, repeats) a state was stored with
+
+
+def layout(cfg: Config, num_stages: int) -> Layout:
+  return (num_stages, cfg.train.pipeline_repeats)
+
+
+def saved_layout(saved_config: dict) -> Layout:
+  """The layout recorded with a checkpoint (checkpoints without one are in logical order)."""
+  stored = saved_config.get("storage", {})
+  return (stored.get("pipeline_stages", 1), stored.get("pipeline_repeats", 1))
+
+
+def reorder_index(path: tuple, num_layers: dict[str, int], source: Layout, target: Layout) -> np.ndarray | None:
+  """For a leaf at `path` under a stack (params, biases, optimiser moments: any key in STACKS): the gather along
+  its leading "layers" axis from the storage order of `source` to that of `target`; None when nothing moves."""
+  names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  stack = next((n for n in names if n in num_layers), None)
+  if stack is None:
+    return None
+  src, dst = storage_order(num_layers[stack], *source), storage_order(num_layers[stack], *target)
+  # target position p holds logical layer dst[p], found at source position argsort(src)[dst[p]]
+  return None if np.array_equal(src, dst) else np.argsort(src)[dst]
+
+
+def reorder(tree: Any, num_layers: dict[str, int], source: Layout, target: Layout) -> Any:
+  """`tree` with every stack leaf moved from the storage order of `source` to that of `target`."""
+
+  def one(path, leaf):
+    index = reorder_index(path, num_layers, source, target)
+    return leaf if index is None else jnp.take(leaf, index, axis=0)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def stack_sizes(model_cfg) -> dict[str, int]:
+  return {"dense_layers": model_cfg.num_dense_layers, "moe_layers": model_cfg.num_moe_layers}
 
 
 def check_stacks(cfg: Config, stages: int) -> None:
-  """Refuses a pipeline size that divides neither layer stack (nothing would be pipelined)."""
-  m = cfg.model
+  """Refuses a pipeline size that divides neither layer stack (nothing would be pipelined), and repeats that
+  divide no stack together with it."""
+  m, R = cfg.model, cfg.train.pipeline_repeats
   if stages > 1 and not any(n and n % stages == 0 for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key mesh.pipeline: {stages} divides neither layer stack ({m.num_dense_layers} dense, "
                     f"{m.num_moe_layers} MoE layers); choose a pipeline size that divides one of them")
+  if R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
+    raise UserError(f"config key train.pipeline_repeats: {R} repeats x {stages} stages divides neither layer stack "
+                    f"({m.num_dense_layers} dense, {m.num_moe_layers} MoE layers); choose repeats R with "
+                    f"mesh.pipeline x R dividing one of them, or 1")
 
 
 def summary(cfg: Config, stages: int) -> str:
   """One line: the schedule, its bubble, and which layer stacks are pipelined."""
-  m, micro = cfg.model, cfg.train.microbatches
-  stacks = []
+  m, M, R = cfg.model, cfg.train.microbatches, cfg.train.pipeline_repeats
+  stacks, rounds = [], set()
   for name, n in (("dense", m.num_dense_layers), ("MoE", m.num_moe_layers)):
     if n:
-      stacks.append(f"{name} stack {n // stages} layers per stage" if n % stages == 0 else
-                    f"{name} stack ({n} layers) on every stage")
-  return (f"pipeline: {stages} stages x {micro} microbatches (GPipe), bubble (S-1)/(M+S-1) = "
-          f"{100 * bubble_fraction(stages, micro):.1f}% | {', '.join(stacks)}; embedding, head and "
+      r = stack_repeats(n, stages, R)
+      rounds.add(r)
+      stacks.append(f"{name} stack ({n} layers) on every stage" if not r else
+                    f"{name} stack {n // stages} layers per stage" + (f" in {r} chunks" if r > 1 else ""))
+  r = max(rounds)
+  schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
+  formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
+  return (f"pipeline: {stages} stages x {M} microbatches ({schedule}), bubble {formula} = "
+          f"{100 * bubble_fraction(stages, M, r):.1f}% | {', '.join(stacks)}; embedding, head and "
           f"MTP on every stage")
 
 
@@ -70,48 +161,57 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches: int,
+def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches: int, repeats: int = 1,
         per_row: tuple[str, ...] = ("balance",)):
   """Runs `body(x_bTD, layer_state_l, side) → (x_bTD, aux_l: dict)` over all layers as a pipeline.
 
-  `layer_state` leaves are [L, ...] (sharded on `pipeline`); `side` holds per-row inputs [B, ...] (or None)
-  that every layer reads. Returns (x_BTD, aux) as a scan over the layers would: aux entries named in `per_row`
-  (per-sequence terms [L, b] per microbatch) are reassembled into [L, B]; the others (expert loads, dropped
-  counts) are summed over the microbatches.
+  `layer_state` leaves are [L, ...] in storage order (sharded on `pipeline`); `side` holds per-row inputs
+  [B, ...] (or None) that every layer reads. Returns (x_BTD, aux) as a scan over the layers would, with aux in
+  storage order: entries named in `per_row` (per-sequence terms [L, b] per microbatch) are reassembled into
+  [L, B]; the others (expert loads, dropped counts) are summed over the microbatches.
   """
-  S, M = stages(), microbatches
+  S, M, R = stages(), microbatches, max(repeats, 1)
   x_MbTD = split_microbatches(x_BTD, M)
   side_M = jax.tree.map(lambda a: split_microbatches(a, M), side)
+  items = -(-M // S) * R * S if R > 1 else M  # work items per stage, bubble items included
 
   def per_stage(state_local, x_MbTD, side_M):
     s = jax.lax.axis_index(AXIS)
+    chunks = jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), state_local)  # [R, C, ...]
 
-    def stage(x_bTD, side_b):
-      return jax.lax.scan(lambda h, layer: body(h, layer, side_b), x_bTD, state_local)
+    def stage(x_bTD, side_b, chunk):
+      return jax.lax.scan(lambda h, layer: body(h, layer, side_b), x_bTD, chunk)
 
-    (_, aux_shape) = jax.eval_shape(stage, x_MbTD[0], jax.tree.map(lambda a: a[0], side_M))
+    (_, aux_shape) = jax.eval_shape(stage, x_MbTD[0], jax.tree.map(lambda a: a[0], side_M),
+                                    jax.tree.map(lambda a: a[0], chunks))
     rows = {k: k in per_row for k in aux_shape}
 
     def tick(carry, t):
       held_bTD, out_MbTD, aux_acc = carry
-      m = t - s  # the microbatch this stage works on at tick t
-      valid = (m >= 0) & (m < M)
+      k = t - s  # this stage's work item at tick t
+      kc = jnp.clip(k, 0, items - 1)
+      r, m = (kc % (R * S)) // S, (kc // (R * S)) * S + kc % S
+      if R == 1:
+        r, m = jnp.zeros_like(kc), kc
+      valid = (k >= 0) & (k < items) & (m < M)
       mc = jnp.clip(m, 0, M - 1)
-      x_bTD = jnp.where(s == 0, x_MbTD[jnp.clip(t, 0, M - 1)], held_bTD)
-      y_bTD, aux = stage(x_bTD, jax.tree.map(lambda a: a[mc], side_M))
-      out_MbTD = jnp.where((s == S - 1) & valid, out_MbTD.at[mc].set(y_bTD), out_MbTD)
+      x_bTD = jnp.where((s == 0) & (r == 0), x_MbTD[mc], held_bTD)
+      y_bTD, aux = stage(x_bTD, jax.tree.map(lambda a: a[mc], side_M), jax.tree.map(lambda a: a[r], chunks))
+      out_MbTD = jnp.where((s == S - 1) & (r == R - 1) & valid, out_MbTD.at[mc].set(y_bTD), out_MbTD)
       aux_acc = jax.tree.map(
-          lambda acc, a, r: jnp.where(valid, acc.at[:, mc].set(a) if r else acc + a, acc),
+          lambda acc, a, per: jnp.where(valid, acc.at[r, :, mc].set(a) if per else acc.at[r].add(a), acc),
           aux_acc, aux, rows)
       held_bTD = jax.lax.ppermute(y_bTD, AXIS, [(i, (i + 1) % S) for i in range(S)])
       return (held_bTD, out_MbTD, aux_acc), None
 
     aux_zero = jax.tree.map(
-        lambda a, r: jnp.zeros((a.shape[0], M, *a.shape[1:]) if r else a.shape, a.dtype), aux_shape, rows)
+        lambda a, per: jnp.zeros((R, a.shape[0], M, *a.shape[1:]) if per else (R, *a.shape), a.dtype),
+        aux_shape, rows)
     init = (jnp.zeros_like(x_MbTD[0]), jnp.zeros_like(x_MbTD), aux_zero)
-    (_, out_MbTD, aux_acc), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
+    (_, out_MbTD, aux_acc), _ = jax.lax.scan(tick, init, jnp.arange(num_ticks(S, M, R)))
     # Only the last stage holds the outputs: share them (replicated over `pipeline` from here on).
     out_MbTD = jax.lax.psum(jnp.where(s == S - 1, out_MbTD, 0), AXIS)
+    aux_acc = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_acc)  # [R, C] → storage rows
     aux_acc = {k: merge_rows(a) if rows[k] else a for k, a in aux_acc.items()}
     return out_MbTD, aux_acc
 
