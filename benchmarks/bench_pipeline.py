@@ -1,12 +1,13 @@
-"""Pipeline schedule cost: step time and compiled temp memory against microbatches, with the GPipe bubble.
+"""Pipeline schedule cost: step time and compiled temp memory against microbatches and repeats, with the bubble.
 
-  python benchmarks/bench_pipeline.py [--stages 4] [--micro 1 2 4 8 16] [--batch 32] [--seq 128]
+  python benchmarks/bench_pipeline.py [--stages 4] [--micro 1 2 4 8 16] [--repeats 1 2] [--batch 32] [--seq 128]
 
 A dense model of 8 layers (DeepSeek LLM layout, hidden 256) on --stages simulated CPU devices, mesh
-pipeline=S, against the same model on one device (no pipeline). Per microbatch count M: median step time over
-3 steps after a warm-up, the compiled step's temp memory per device (XLA's memory_analysis), and the GPipe
-bubble (S - 1) / (M + S - 1). The simulated devices share this machine's cores, so a step costs the work of
-every stage including the bubble ticks: time / single-device time should track (M + S - 1) / M.
+pipeline=S, against the same model on one device (no pipeline). Per microbatch count M and repeats R (1: GPipe,
+R > 1: circular with R chunks per stage): median step time over 3 steps after a warm-up, the compiled step's
+temp memory per device (XLA's memory_analysis), and the bubble 1 − R·M / ticks (= (S − 1)/(R·M + S − 1) when S
+divides M). The simulated devices share this machine's cores, so a step costs the work of every stage
+including the bubble ticks: time / single-device time should track ticks / (R·M).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--stages", type=int, default=4)
   parser.add_argument("--micro", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+  parser.add_argument("--repeats", type=int, nargs="*", default=[1, 2])
+  parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--seq", type=int, default=128)
   parser.add_argument("--results", default=None)
@@ -31,17 +34,18 @@ def main() -> None:
   import common
   from jaxseek import train as train_lib
   from jaxseek.input import global_batches
-  from jaxseek.sharding.pipeline import bubble_fraction
+  from jaxseek.sharding.pipeline import bubble_fraction, num_ticks
   from jaxseek.sharding.mesh import make_mesh
 
-  model = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+  model = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=args.layers,
                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
 
-  def measure(stages: int, micro: int) -> tuple[float, float]:
+  def measure(stages: int, micro: int, repeats: int = 1) -> tuple[float, float]:
     cfg = common.config_lib.from_dict({"model": model, "mesh": {"pipeline": stages, "data": 1},
                                        "data": {"source": "synthetic"},
                                        "train": {"batch_size": args.batch, "seq_len": args.seq,
-                                                 "microbatches": micro, "steps": 100}})
+                                                 "microbatches": micro, "pipeline_repeats": repeats,
+                                                 "steps": 100}})
     mesh = make_mesh(cfg, jax.devices()[:stages])
     trainer, state = train_lib.init_state(cfg, mesh)
     batches = global_batches(cfg, mesh)
@@ -61,16 +65,18 @@ def main() -> None:
 
   base_time, base_temp = measure(1, 1)
   S = args.stages
-  print(f"dense 8 layers, batch {args.batch} x {args.seq}; one device without pipeline: step {base_time:.3f} s, "
-        f"temp {base_temp / 2**20:.1f} MiB")
-  print(f"{'S':>2} {'M':>3} {'bubble':>7} {'(M+S-1)/M':>10} {'step s':>7} {'vs 1 dev':>9} {'temp MiB/dev':>13}")
-  for micro in args.micro:
-    step, temp = measure(S, micro)
-    print(f"{S:>2} {micro:>3} {100 * bubble_fraction(S, micro):>6.1f}% {(micro + S - 1) / micro:>10.2f} "
-          f"{step:>7.3f} {step / base_time:>8.2f}x {temp / 2**20:>13.1f}", flush=True)
-    common.append_result(args.results or common.RESULTS, dict(
-        bench="pipeline", stages=S, microbatches=micro, bubble=bubble_fraction(S, micro), step_s=step,
-        single_device_step_s=base_time, temp_bytes=temp))
+  print(f"dense {args.layers} layers, batch {args.batch} x {args.seq}; one device without pipeline: "
+        f"step {base_time:.3f} s, temp {base_temp / 2**20:.1f} MiB")
+  print(f"{'S':>2} {'R':>2} {'M':>3} {'bubble':>7} {'ticks/RM':>9} {'step s':>7} {'vs 1 dev':>9} {'temp MiB/dev':>13}")
+  for repeats in args.repeats:
+    for micro in args.micro:
+      step, temp = measure(S, micro, repeats)
+      ideal = num_ticks(S, micro, repeats) / (repeats * micro)
+      print(f"{S:>2} {repeats:>2} {micro:>3} {100 * bubble_fraction(S, micro, repeats):>6.1f}% {ideal:>9.2f} "
+            f"{step:>7.3f} {step / base_time:>8.2f}x {temp / 2**20:>13.1f}", flush=True)
+      common.append_result(args.results or common.RESULTS, dict(
+          bench="pipeline", stages=S, repeats=repeats, microbatches=micro,
+          bubble=bubble_fraction(S, micro, repeats), step_s=step, single_device_step_s=base_time, temp_bytes=temp))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ Model code names logical axes only (`("embed", "mlp")`); these tables decide whi
 In the scaling-book notation the defaults are:
 
   parameters   W_q[D_fsdp, N_tensor, H], W_gate[D_fsdp, F_tensor], W_down[F_tensor, D_fsdp], E[V_tensor, D_fsdp]
-  activations  x[B_(data,fsdp,expert), T_context, D]
+  activations  x[B_(pipeline,data,fsdp,expert), T_context, D]
 
 FSDP (ZeRO-3) is "embed → fsdp" for parameters: XLA all-gathers each weight before use and reduce-scatters its
-gradient. Every non-model axis splits the batch.
+gradient. Every non-model axis splits the batch. The pipeline axis splits it too wherever no pipeline schedule
+runs (embedding, head and loss, layer stacks that are not pipelined): there the stages work as data-parallel
+replicas instead of repeating the same work. Inside the schedule's shard_map `pipeline` is a manual axis, and
+the activation rules leave manual axes out.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ PARAM_RULES: Rules = {
 }
 
 ACTIVATION_RULES: Rules = {
-    "batch": ("data", "fsdp", "expert"),
+    "batch": ("pipeline", "data", "fsdp", "expert"),
     "length": ("context",),
     "vocab": ("tensor",),
     "heads": ("tensor",),
@@ -59,8 +62,19 @@ def spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
   return PartitionSpec(*out)
 
 
+def _manual_axes() -> frozenset[str]:
+  """Mesh axes the enclosing shard_map handles by hand (none outside one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return frozenset() if mesh.empty else frozenset(mesh.manual_axes)
+
+
+def _automatic(rules: Rules) -> Rules:
+  manual = _manual_axes()
+  return {k: tuple(a for a in v if a not in manual) for k, v in rules.items()} if manual else rules
+
+
 def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
-  return spec(names, ACTIVATION_RULES)
+  return spec(names, _automatic(ACTIVATION_RULES))
 
 
 def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
@@ -76,7 +90,7 @@ def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = No
 
 def mesh_axes(name: str, rules: Rules = ACTIVATION_RULES) -> tuple[str, ...]:
   """The mesh axes a logical activation axis is split over (for collectives inside shard_map)."""
-  return rules.get(name, ())
+  return _automatic(rules).get(name, ())
 
 
 def has_mesh() -> bool:
