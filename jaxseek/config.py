@@ -168,6 +168,7 @@ class OptimConfig:
   weight_decay: float = 0.1
   decay_embeddings: bool = False
   clip_norm: float = 1.0  # global-norm gradient clipping; 0 turns it off
+  moments_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW mu and nu as stored (updated in float32)
   bias_update_rate: float = 0.001  # aux-loss-free balancing: correction-bias step per optimiser step
 
 
@@ -182,9 +183,12 @@ class TrainConfig:
   pipeline_repeats: int = 1  # circular pipeline: layer chunks (virtual stages) per pipeline stage; 1 is GPipe
   seed: int = 0
   run_dir: str = "runs/default"
-  compute_dtype: Literal["float32", "bfloat16"] = "float32"
+  compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
   param_dtype: Literal["float32", "bfloat16"] = "float32"
-  remat: Literal["none", "full"] = "none"
+  remat: Literal["none", "save_dots", "minimal", "offload", "full"] = "none"  # what a layer keeps: model/remat.py
+  zero: Literal[1, 3] = 3  # 3: parameters, gradients, optimiser state sharded on fsdp; 1: only the optimiser state
+  loss_scale_init: float = 32768.0  # float16 compute: the first loss scale
+  loss_scale_window: int = 1000  # float16 compute: the scale doubles after this many steps without overflow
   mtp_loss_weight: float = 0.3  # λ: loss = main CE + λ / depth · Σ_k MTP CE_k
   on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient never reaches the parameters
   spike_sigma: float | None = None  # skip steps whose loss exceeds the window mean by this many std devs
@@ -362,6 +366,7 @@ def validate(cfg: Config) -> None:
   m, t = cfg.model, cfg.train
   _positive(cfg, "model.vocab_size", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
             "train.steps", "train.batch_size", "train.seq_len", "train.microbatches", "train.pipeline_repeats",
+            "train.loss_scale_init", "train.loss_scale_window",
             "metrics.every")
   sizes = cfg.mesh.sizes()
   if list(sizes.values()).count(-1) > 1:

@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compile", action="store_true", help="also compile the real train step on simulated CPU "
                       "devices and show XLA's memory and collectives beside the estimate")
   parser.add_argument("--suggest", action="store_true", help="rank the meshes of --devices that fit")
-  parser.add_argument("--pipeline", action="store_true", help="--suggest: include pipeline-parallel meshes (the "
-                      "train step has no pipeline schedule yet)")
+  parser.add_argument("--pipeline", action="store_true", help="--suggest: include pipeline-parallel meshes (those "
+                      "whose stage count divides a layer stack)")
   parser.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to show")
   parser.add_argument("--json", help="write the result as JSON (schema in docs/explore.md)")
   parser.add_argument("--plot", help="write a PNG of the memory per device and the parameter layouts")

@@ -170,7 +170,10 @@ class Console:
     if record.get("moe_load_max_over_mean") is not None:
       parts.append(f"load max/mean {record['moe_load_max_over_mean']:.2f}")
     if record.get("skipped"):
-      parts.append("SKIPPED" + (" (non-finite)" if record.get("nonfinite") else " (loss spike)"))
+      why = "non-finite" if record.get("nonfinite") else "float16 overflow" if record.get("overflow") else "loss spike"
+      parts.append(f"SKIPPED ({why})")
+    if "loss_scale" in record:
+      parts.append(f"loss scale {record['loss_scale']:g}")
     parts.append(f"eta {_hms(eta)}")
     self.console.print(" | ".join(parts), markup=False)
     if self.progress is not None:
@@ -214,6 +217,7 @@ PROMETHEUS_GAUGES = {
     "moe_load_max_over_mean": "jaxseek_moe_load_max_over_mean",
     "moe_load_max_over_mean_worst": "jaxseek_moe_load_max_over_mean_worst",
     "moe_dropped_fraction": "jaxseek_moe_dropped_fraction", "mtp_loss": "jaxseek_mtp_loss",
+    "loss_scale": "jaxseek_loss_scale",
 }
 
 

@@ -30,11 +30,12 @@ from jaxseek import optim
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import faults
 from jaxseek.errors import RunStopped, UserError, cli
+from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left
 from jaxseek.sharding import explore_suggest
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import pipeline as pipeline_lib
-from jaxseek.sharding.rules import param_spec, shard
+from jaxseek.sharding.rules import param_spec, shard, state_rules
 
 
 @flax.struct.dataclass
@@ -44,6 +45,8 @@ class TrainState:
   biases: nnx.State  # MoE correction biases: updated from expert loads, never by the optimiser
   opt_state: Any
   loss_window: jax.Array  # the last train.spike_window accepted losses (NaN until filled), for spike skipping
+  loss_scale: jax.Array  # float16 compute: the dynamic loss scale (1 otherwise)
+  good_steps: jax.Array  # float16 compute: steps since the scale last changed without an overflow
 
 
 @flax.struct.dataclass
@@ -61,21 +64,35 @@ def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
-  """Each Variable (parameters and the optimiser moments that mirror them) is sharded by its logical axes;
-  everything else (step, counters) is replicated."""
+def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3) -> Any:
+  """Each Variable (parameters and the optimiser moments that mirror them) is sharded by its logical axes under
+  the rules of its part of the state (`rules.state_rules`: ZeRO-3 or ZeRO-1); everything else (step, counters)
+  is replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
-  return jax.tree.map(
-      lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"], x.shape, mesh))
-      if _is_variable(x) else replicated,
-      abstract_state, is_leaf=_is_variable)
+
+  def part(tree, kind):
+    rules = state_rules(kind, zero)
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"], x.shape, mesh, rules))
+        if _is_variable(x) else replicated, tree, is_leaf=_is_variable)
+
+  out = jax.tree.map(lambda _: replicated, abstract_state, is_leaf=_is_variable)
+  return out.replace(**{kind: part(getattr(abstract_state, kind), kind) for kind in ("params", "biases", "opt_state")})
+
+
+def check_setup(cfg: config_lib.Config, mesh: Mesh) -> None:
+  """Settings that depend on the mesh or the backend: refused with one line before anything is written."""
+  pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
+  why = remat_lib.check_backend(cfg.train.remat, mesh.devices.flat[0].platform)
+  if why:
+    raise UserError(why)
 
 
 def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
   """eval_shape → shardings → jit(init, out_shardings): nothing is allocated until `trainer.init()`, and then the
   full model never exists unsharded on one device."""
 
-  pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
+  check_setup(cfg, mesh)
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
@@ -93,12 +110,14 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
     _, params, biases = nnx.split(create(), nnx.Param, ...)
     # the same model as on one device, its layers in the storage order the pipeline schedule reads
     params, biases = pipeline_lib.reorder((params, biases), stacks, (1, 1), storage)
+    scale = cfg.train.loss_scale_init if cfg.train.compute_dtype == "float16" else 1.0
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params),
-                      loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32))
+                      loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32),
+                      loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32))
 
   with jax.set_mesh(mesh):
     abstract_state = jax.eval_shape(init)
-    shardings = state_shardings(abstract_state, mesh)
+    shardings = state_shardings(abstract_state, mesh, cfg.train.zero)
   jitted = jax.jit(init, out_shardings=shardings)
 
   def init_on_mesh() -> TrainState:
@@ -134,6 +153,10 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
 
   objective = CE + λ/depth · Σ_k CE_k (multi-token prediction) + aux_loss_alpha · Σ_layers balance loss,
   each CE a sum over the whole batch divided by its token count, so accumulation gives the full-batch gradient.
+
+  With float16 compute the objective is multiplied by the dynamic loss scale before differentiation and the
+  gradients divided by it after; a step whose gradients overflow (the loss itself finite) is skipped and the
+  scale halved; after `loss_scale_window` steps without overflow it doubles.
   """
   # With a pipeline the microbatches flow through the stages inside one forward pass instead.
   n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
@@ -153,7 +176,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     objective = ce_sum / n_tokens + alpha * balance / n_micro
     if depth:
       objective += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
-    return objective, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
+    return objective * state.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if n_micro == 1:
@@ -170,14 +193,23 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, n_micro))
     balance = balance / n_micro
 
+  grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
   updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   biases = update_biases(state.biases, loads, cfg.optim.bias_update_rate)
   loss, grad_norm = ce_sum / n_tokens, optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   accept = finite & ~is_spike(loss, state.loss_window, cfg.train.spike_sigma)
+  dynamic = cfg.train.compute_dtype == "float16"
+  overflow = dynamic & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)  # the scale's fault, not the model's
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
-             "nonfinite": (~finite).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
+             "nonfinite": (~finite & ~overflow).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
+  loss_scale, good_steps = state.loss_scale, state.good_steps
+  if dynamic:
+    grow = (state.good_steps + 1 >= cfg.train.loss_scale_window) & ~overflow
+    loss_scale = jnp.where(overflow, loss_scale / 2, jnp.where(grow, loss_scale * 2, loss_scale))
+    good_steps = jnp.where(overflow | grow, 0, state.good_steps + 1)
+    metrics.update(loss_scale=state.loss_scale, overflow=overflow.astype(jnp.int32))
   if depth:
     metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
   order = pipeline_lib.storage_order(cfg.model.num_moe_layers, pipeline_lib.stages(), cfg.train.pipeline_repeats)
@@ -186,7 +218,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
   new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
-                         opt_state=keep(opt_state, state.opt_state), loss_window=window)
+                         opt_state=keep(opt_state, state.opt_state), loss_window=window, loss_scale=loss_scale,
+                         good_steps=good_steps)
   return new_state, metrics
 
 
@@ -291,7 +324,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   """mesh → run directory → state (restored or new) → data → loop. Returns the summary."""
   mesh = mesh_lib.make_mesh(cfg)
   print(mesh_lib.startup_line(mesh), flush=True)
-  pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])  # before the run directory is touched
+  check_setup(cfg, mesh)  # before the run directory is touched
   run_dir = prepare_run_dir(cfg)
   trainer = make_trainer(cfg, mesh)
   batches = input_lib.GlobalBatches(cfg, mesh)

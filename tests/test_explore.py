@@ -14,13 +14,15 @@ import pytest
 from conftest import CONFIGS, ROOT, load_config
 from jaxseek import explore as explore_cli
 from jaxseek import train as train_lib
+from jaxseek.errors import UserError
 from jaxseek.input.pipeline import batch_shardings
 from jaxseek.sharding import explore, explore_compile, explore_layout, explore_suggest
 from jaxseek.sharding.mesh import make_mesh
 
 GOLDEN = ROOT / "tests" / "golden"
 MESHES = {"d2f2t2": (1, 2, 2, 1, 1, 2), "f2e2t2": (1, 1, 2, 2, 1, 2), "d8": (1, 8, 1, 1, 1, 1),
-          "f4t2": (1, 1, 4, 1, 1, 2), "e4d2": (1, 2, 1, 4, 1, 1)}
+          "f4t2": (1, 1, 4, 1, 1, 2), "e4d2": (1, 2, 1, 4, 1, 1), "p2d2t2": (2, 2, 1, 1, 1, 2),
+          "p2d4": (2, 4, 1, 1, 1, 1)}
 TINY = ("tiny-dense", "tiny-v2", "tiny-v3")
 
 
@@ -42,7 +44,8 @@ def device_bytes(tree):
 
 
 @pytest.mark.parametrize("name,mesh", [("tiny-v3", "d2f2t2"), ("tiny-v3", "e4d2"), ("tiny-v2", "f4t2"),
-                                       ("tiny-dense", "f2e2t2"), ("tiny-dense", "d8")])
+                                       ("tiny-dense", "f2e2t2"), ("tiny-dense", "d8"), ("tiny-v3", "p2d2t2"),
+                                       ("tiny-dense", "p2d4")])
 def test_state_bytes_per_device_equal_real_sharded_arrays(name, mesh):
   cfg = load_config(name, *mesh_overrides(mesh))
   trainer = train_lib.make_trainer(cfg, make_mesh(cfg))
@@ -163,7 +166,8 @@ def test_collective_axes_from_replica_groups(line, axes):
 
 def test_deepseek_v3_on_2048_devices_in_seconds():
   start = time.perf_counter()
-  cfg = load_config("deepseek-v3-671b", "mesh.pipeline=16", "mesh.expert=64", "mesh.data=2", "mesh.fsdp=1")
+  cfg = load_config("deepseek-v3-671b", "mesh.pipeline=2", "mesh.expert=64", "mesh.data=4", "mesh.fsdp=1",
+                    "mesh.tensor=4")
   sizes = explore.mesh_sizes(cfg, None)
   result = explore.plan(explore.describe(cfg), sizes, explore.hardware("h800-80g"))
   assert time.perf_counter() - start < 30
@@ -171,14 +175,16 @@ def test_deepseek_v3_on_2048_devices_in_seconds():
   main = result["total_parameters"] - result["mtp_parameters"]
   assert abs(main / 671e9 - 1) < 0.005 and 11e9 < result["mtp_parameters"] < 12.5e9
   m = cfg.model
-  stages = explore_layout.stage_layers(cfg, 16)
-  per_stage = [s["dense_layers"] + s["moe_layers"] for s in stages]
-  assert sum(per_stage) == 61 and max(per_stage) == 4 and min(per_stage) == 3
+  # 58 MoE layers: 29 per stage; the 3 dense layers (2 ∤ 3) run on both stages, data-parallel
+  assert explore_layout.stage_layers(cfg, 2) == [{"dense_layers": 3, "moe_layers": 29}] * 2
   rows = {r["name"]: r for r in result["parameters"]}
-  moe_layers_per_stage = max(s["moe_layers"] for s in stages)
-  experts = moe_layers_per_stage * (m.n_routed_experts // 64) * m.hidden_size * m.moe_intermediate_size * 4
+  experts = 29 * (m.n_routed_experts // 64) * m.hidden_size * (m.moe_intermediate_size // 4) * 4
   assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["bytes_per_device"] == experts
-  assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["placement"] == "w_gate[L_pipeline, E_expert, D, M]"
+  assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["placement"] == "w_gate[L_pipeline, E_expert, D, M_tensor]"
+  assert rows["dense_layers.blocks.mlp.w_gate_DF"]["stages"] == 1
+  assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["stages"] == 2
+  with pytest.raises(UserError, match="mesh.pipeline: 16 divides neither layer stack"):
+    explore.plan(explore.describe(cfg), {**sizes, "pipeline": 16, "tensor": 1, "data": 2}, explore.hardware("h800-80g"))
   assert set(result["communication"]) >= {"pipeline", "expert", "data"}
   assert result["communication"]["expert"][-1]["collective"] == "all-to-all"
 

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxseek.config import ModelConfig
 from jaxseek.model.transformer import Transformer
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def build(cfg: ModelConfig, *, seed: int = 0, param_dtype: str = "float32", dtype: str = "float32",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxseek.config import ModelConfig
 from jaxseek.model.layers import RMSNorm, param
@@ -38,7 +39,8 @@ def attend(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, segment_ids_
   scores_BGnTS = jnp.where(mask_BTS[:, None, None], scores_BGnTS, jnp.finfo(jnp.float32).min)
   probs_BGnTS = jax.nn.softmax(scores_BGnTS, axis=-1).astype(v_BSGP.dtype)
   out_BTGnP = jnp.einsum("BGnTS,BSGP->BTGnP", probs_BGnTS, v_BSGP)
-  return out_BTGnP.reshape(B, T, N, v_BSGP.shape[-1])
+  # named for the remat policies (model/remat.py): the attention output is the costliest tensor to recompute
+  return checkpoint_name(out_BTGnP.reshape(B, T, N, v_BSGP.shape[-1]), "attn_context")
 
 
 class Attention(nnx.Module):
@@ -101,13 +103,13 @@ class MLA(nnx.Module):
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
     w = lambda p: p[...].astype(self.dtype)
     if self.q_lora:
-      cq_BTQ = self.q_norm(jnp.einsum("BTD,DQ->BTQ", x_BTD, w(self.w_dq_DQ)))
+      cq_BTQ = checkpoint_name(self.q_norm(jnp.einsum("BTD,DQ->BTQ", x_BTD, w(self.w_dq_DQ))), "q_latent")
       q_BTNH = jnp.einsum("BTQ,QNH->BTNH", cq_BTQ, w(self.w_uq_QNH))
       qr_BTNR = jnp.einsum("BTQ,QNR->BTNR", cq_BTQ, w(self.w_uqr_QNR))
     else:
       q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, w(self.w_q_DNH))
       qr_BTNR = jnp.einsum("BTD,DNR->BTNR", x_BTD, w(self.w_qr_DNR))
-    ckv_BTC = self.kv_norm(jnp.einsum("BTD,DC->BTC", x_BTD, w(self.w_dkv_DC)))
+    ckv_BTC = checkpoint_name(self.kv_norm(jnp.einsum("BTD,DC->BTC", x_BTD, w(self.w_dkv_DC))), "kv_latent")
     kr_BT1R = jnp.einsum("BTD,DR->BTR", x_BTD, w(self.w_kr_DR))[:, :, None, :]
     k_BTNH = jnp.einsum("BTC,CNH->BTNH", ckv_BTC, w(self.w_uk_CNH))
     v_BTNP = shard(jnp.einsum("BTC,CNP->BTNP", ckv_BTC, w(self.w_uv_CNP)), ("batch", "length", "heads", None))

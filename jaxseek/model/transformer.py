@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxseek.config import ModelConfig
 from jaxseek.model.attention import make_attention
 from jaxseek.model.layers import MLP, Embed, RMSNorm, param
+from jaxseek.model import remat as remat_lib
 from jaxseek.model.moe import MoE
 from jaxseek.sharding import pipeline
 from jaxseek.sharding.rules import shard
@@ -32,7 +34,7 @@ class Block(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, valid_BT):
     x_BTD = shard(x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT), ACT_BTD)
-    h_BTD = self.mlp_norm(x_BTD)
+    h_BTD = checkpoint_name(self.mlp_norm(x_BTD), "mlp_input")  # the MLP / MoE input (remat policies)
     if self.moe:
       y_BTD, aux = self.mlp(h_BTD, valid_BT)
     else:
@@ -66,12 +68,13 @@ class Stack(nnx.Module):
     def body(x_BTD, layer_state, side):
       return nnx.merge(graphdef, layer_state)(x_BTD, *side)
 
-    if self.remat == "full":
-      body = jax.checkpoint(body)
+    body = remat_lib.wrap(body, self.remat)
     side = (positions_BT, segment_ids_BT, valid_BT)
     repeats = pipeline.stack_repeats(self.num_layers, pipeline.stages(), self.pipeline_repeats)
     if repeats:
-      return pipeline.run(body, state, x_BTD, side, self.microbatches, repeats)
+      # the schedule's output is on every stage; from here on each stage takes its share of the batch again
+      x_BTD, aux = pipeline.run(body, state, x_BTD, side, self.microbatches, repeats)
+      return shard(x_BTD, ACT_BTD), aux
     return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state)
 
 

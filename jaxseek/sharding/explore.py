@@ -20,6 +20,7 @@ from jaxseek.metrics import PEAK_TFLOPS
 from jaxseek.sharding import explore_comm as comm_lib
 from jaxseek.sharding import explore_layout as layout_lib
 from jaxseek.sharding import explore_memory as memory_lib
+from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding.explore_comm import Hardware
 from jaxseek.sharding.explore_layout import Model, describe
 from jaxseek.sharding.mesh import resolve_sizes
@@ -89,14 +90,14 @@ def mesh_sizes(cfg: Config, devices: int | None) -> dict[str, int]:
   return resolve_sizes(cfg.mesh, devices)
 
 
-def plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu",
-         pipeline_split: bool = True) -> dict[str, Any]:
+def plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> dict[str, Any]:
   """The whole analysis of one mesh as a JSON-ready dict (schema in docs/explore.md)."""
   cfg = model.cfg
-  split = sizes if pipeline_split else layout_lib.as_built(sizes)
-  memory = memory_lib.memory(model, sizes, platform, pipeline_split)
-  comm = comm_lib.communication(model, split, hw, memory["stage"])
-  compute = comm_lib.compute_seconds(model, split, hw)
+  if sizes["pipeline"] > 1:
+    pipeline_lib.check_stacks(cfg, sizes["pipeline"])
+  memory = memory_lib.memory(model, sizes, platform)
+  comm = comm_lib.communication(model, sizes, hw, memory["stage"])
+  compute = comm_lib.compute_seconds(model, sizes, hw)
   usable = int(hw.memory_bytes * hw.usable_fraction)
   t = cfg.train
   return {
@@ -108,15 +109,16 @@ def plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu
       "mtp_parameters": model.mtp_parameters,
       "mesh": dict(sizes),
       "devices": math.prod(sizes.values()),
-      "pipeline": "layers split over stages (analytic)" if pipeline_split and sizes["pipeline"] > 1 else "none",
+      "pipeline": pipeline_lib.summary(cfg, sizes["pipeline"]) if sizes["pipeline"] > 1 else "none",
       "train": {"batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
+                "pipeline_repeats": t.pipeline_repeats,
                 "remat": t.remat, "compute_dtype": t.compute_dtype, "param_dtype": t.param_dtype},
       "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,
                    "peak_tflops": hw.peak_tflops, "intra_node_gbps": hw.intra_node_gbps,
                    "inter_node_gbps": hw.inter_node_gbps, "devices_per_node": hw.devices_per_node},
-      "parameters": _ordered(layout_lib.parameter_rows(model, sizes, pipeline_split)),
-      "optimizer": _ordered(layout_lib.optimizer_rows(model, sizes, pipeline_split)),
-      "activations": memory_lib.activation_rows(cfg, split, platform),
+      "parameters": _ordered(layout_lib.parameter_rows(model, sizes)),
+      "optimizer": _ordered(layout_lib.optimizer_rows(model, sizes)),
+      "activations": memory_lib.activation_rows(cfg, sizes, platform),
       "memory_per_device": memory["bytes"],
       "memory": {"stage": memory["stage"], "stages": memory["stages"], "layers_on_stage": memory["layers_on_stage"],
                  "fits": memory["bytes"]["total"] <= usable, "platform": platform},

@@ -5,18 +5,22 @@ n = the axis size, and ring algorithms (an all-gather or reduce-scatter moves (n
 all-reduce twice that):
 
   fsdp      all-gather of every fsdp-split weight, once per pass and microbatch (compute dtype);
-            reduce-scatter of their gradients per microbatch (parameter dtype)
+            reduce-scatter of their gradients per microbatch (parameter dtype). With train.zero=1 no weight is
+            split: their gradients are all-reduced, and the updated weights all-gathered once per step
   data, expert, context, fsdp
             all-reduce of the gradients of weights replicated on the axis (every batch axis splits the batch)
   tensor    all-reduce of x[B, T, D] partial sums: 2 per layer and pass (attention out, MLP / MoE out), plus the
             embedding lookup and the head's input gradient
   expert    all-to-all of the MoE dispatch buffers [P·C, D]: out and back, per MoE layer and pass
   context   all-gather of the keys and values per layer and pass (their gradients reduce-scattered)
-  pipeline  collective-permute of x[B, T, D] to the next stage and of its gradient back, per microbatch
+  pipeline  collective-permute of a microbatch's x[B/M, T, D] to the next stage and of its gradient back, per
+            tick of each pipelined stack (ticks = R·M + S − 1); entering the schedule x[B, T, D] is gathered over
+            the stages and leaving it the last stage's output is shared (an all-reduce), and the reverse for
+            the gradients
 
 An axis's links are intra-node when the devices of one group (the axis and every axis inside it) fit in a node.
 Step time = compute + Σ collectives, assuming no overlap (a pessimistic bound; XLA overlaps some of it), where
-compute = FLOPs / peak, stretched by the pipeline bubble (m + stages − 1) / m.
+compute = FLOPs / peak, the pipelined stacks' share stretched by the bubble: ticks / (R·M).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def communication(model: ex.Model, sizes: dict[str, int], hw: Hardware,
   stages = ex.stage_layers(cfg, sizes["pipeline"])
   items: list[tuple[str, str, str, int, float]] = []
   items += _weights(model, sizes, stage, stages, micro, passes)
-  items += _activations(cfg, sizes, stages[stage], stage == len(stages) - 1, micro, passes)
+  items += _activations(cfg, sizes, micro, passes)
   out: dict[str, list[dict[str, Any]]] = {}
   for axis, collective, what, count, nbytes in items:
     if sizes[axis] == 1 or nbytes == 0:
@@ -78,7 +82,13 @@ def _weights(model: ex.Model, sizes, stage, stages, micro, passes):
   """All-gathers of fsdp-split weights and the gradient reductions over the batch axes."""
   units = _weight_units(model, sizes, stage, stages)
   scale = {"all-gather": passes * micro, "reduce-scatter": micro, "all-reduce": micro}
-  return [(axis, kind, what, count * scale[kind], nbytes * scale[kind]) for axis, kind, what, count, nbytes in units]
+  out = [(axis, kind, what, count * scale[kind], nbytes * scale[kind]) for axis, kind, what, count, nbytes in units]
+  n = sizes["fsdp"]
+  if model.cfg.train.zero == 1 and n > 1:  # the optimiser updates its fsdp shard; the new weights are gathered
+    whole = [(leaf, ex.on_stage(leaf, stage, stages)) for leaf in model.leaves if leaf.kind == "params"]
+    nbytes = sum((n - 1) / n * ex.leaf_bytes(leaf, sizes, count) for leaf, count in whole if count != 0)
+    out.append(("fsdp", "all-gather", "updated parameters (ZeRO-1), once per step", len(whole), nbytes))
+  return out
 
 
 def _weight_units(model: ex.Model, sizes, stage, stages):
@@ -114,43 +124,86 @@ def _weight_units(model: ex.Model, sizes, stage, stages):
   return units
 
 
-def _activations(cfg, sizes, layers: dict[str, int], last: bool, micro, passes):
+def _layer_runs(cfg, sizes, micro):
+  """(layers, runs per step, rows per run, sizes) of every layer group: pipelined stacks run per microbatch on
+  rows not split over `pipeline`; without a pipeline everything runs per microbatch; with one, the rest (other
+  stacks, MTP) runs once on the whole batch."""
+  S, B, m = sizes["pipeline"], cfg.train.batch_size, cfg.model
+  inner = {**sizes, "pipeline": 1}
+  groups = []
+  for stack, moe in (("dense_layers", False), ("moe_layers", True)):
+    n = m.num_moe_layers if moe else m.num_dense_layers
+    if n and ex.pipelined(cfg, stack, S):
+      groups.append((n // S, micro, B // micro, inner, moe))
+    elif n:
+      groups.append((n, 1 if S > 1 else micro, B if S > 1 else B // micro, sizes, moe))
+  if m.num_nextn_predict_layers:
+    groups.append((m.num_nextn_predict_layers, 1 if S > 1 else micro, B if S > 1 else B // micro, sizes, m.is_moe))
+  return groups
+
+
+def _activations(cfg, sizes, micro, passes):
   """Tensor-parallel partial sums, expert dispatch, context key/value gathers, pipeline sends."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
   m = cfg.model
-  batch = cfg.train.batch_size // micro
-  x = em.attention_tensors(cfg, batch)[0].bytes(sizes)
-  n_layers = layers["dense_layers"] + layers["moe_layers"] + (m.num_nextn_predict_layers if last else 0)
-  moe_layers = layers["moe_layers"] + (m.num_nextn_predict_layers if last and m.is_moe else 0)
-  t, p, ctx = sizes["tensor"], sizes["expert"], sizes["context"]
+  t, p, ctx, S = sizes["tensor"], sizes["expert"], sizes["context"], sizes["pipeline"]
+  tensor_count = tensor_bytes = a2a_count = a2a_bytes = kv_count = kv_bytes = 0.0
+  for layers, runs, batch, where, moe in _layer_runs(cfg, sizes, micro):
+    x = em.attention_tensors(cfg, batch)[0].bytes(where)
+    tensor_count += runs * 2 * passes * layers
+    tensor_bytes += runs * 2 * passes * layers * 2 * (t - 1) / t * x
+    if moe:
+      rows = next(tt for tt in em.dispatch_tensors(cfg, where, batch, "gpu") if tt.name == "dispatch rows")
+      buffer = rows.bytes(where) + rows.dims[0] * 4  # the rows and their local expert ids
+      a2a_count += runs * 2 * passes * layers
+      a2a_bytes += runs * 2 * passes * layers * (p - 1) / p * buffer
+    if ctx > 1:
+      kv = sum(tt.bytes(where) * tt.copies for tt in em.attention_tensors(cfg, batch)
+               if tt.name in ("k, v", "kv latent"))
+      kv_count += runs * passes * layers
+      kv_bytes += runs * passes * layers * (ctx - 1) * kv
+  ends = em.attention_tensors(cfg, cfg.train.batch_size if S > 1 else cfg.train.batch_size // micro)[0].bytes(sizes)
+  ends_runs = 1 if S > 1 else micro
   items = [("tensor", "all-reduce", "x[B,T,D] partial sums (attention out, MLP out; embedding, head)",
-            micro * (2 * passes * n_layers + 2), micro * (2 * passes * n_layers + 2) * 2 * (t - 1) / t * x)]
-  if m.is_moe and moe_layers:
-    rows = next(tt for tt in em.dispatch_tensors(cfg, sizes, batch, "gpu") if tt.name == "dispatch rows")
-    buffer = rows.bytes(sizes) + rows.dims[0] * 4  # the rows and their local expert ids
-    count = micro * 2 * passes * moe_layers
-    items.append(("expert", "all-to-all", "MoE dispatch buffers [P·C, D], out and back", count,
-                  count * (p - 1) / p * buffer))
+            tensor_count + 2 * ends_runs, tensor_bytes + 2 * ends_runs * 2 * (t - 1) / t * ends)]
+  if m.is_moe and a2a_count:
+    items.append(("expert", "all-to-all", "MoE dispatch buffers [P·C, D], out and back", a2a_count, a2a_bytes))
   if ctx > 1:
-    kv = sum(tt.bytes(sizes) * tt.copies for tt in em.attention_tensors(cfg, batch)
-             if tt.name in ("k, v", "kv latent"))
-    items.append(("context", "all-gather", "keys and values (gradients reduce-scattered)", micro * passes * n_layers,
-                  micro * passes * n_layers * (ctx - 1) * kv))
-  if sizes["pipeline"] > 1:
-    items.append(("pipeline", "collective-permute", "x[B,T,D] to the next stage, its gradient back", 2 * micro,
-                  2 * micro * x))
+    items.append(("context", "all-gather", "keys and values (gradients reduce-scattered)", kv_count, kv_bytes))
+  piped = [n for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers))
+           if ex.pipelined(cfg, stack, S)]
+  if piped:
+    inner = {**sizes, "pipeline": 1}
+    x_micro = em.attention_tensors(cfg, cfg.train.batch_size // micro)[0].bytes(inner)
+    x_whole = em.attention_tensors(cfg, cfg.train.batch_size)[0].bytes(inner)
+    ticks = sum(pipeline_lib.num_ticks(S, micro, pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats))
+                for n in piped)
+    items.append(("pipeline", "collective-permute", "x[B/M,T,D] to the next stage per tick, its gradient back",
+                  2 * ticks, 2 * ticks * x_micro))
+    items.append(("pipeline", "all-gather + all-reduce", "x[B,T,D] into each schedule, its output to every stage "
+                  "(and their gradients)", 4 * len(piped), len(piped) * 6 * (S - 1) / S * x_whole))
   return items
 
 
 def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dict[str, float]:
-  """FLOPs per device per step, the time at peak, and the pipeline bubble's share."""
+  """FLOPs per device per step, the time at peak, and the pipeline bubble's share (the pipelined stacks'
+  compute stretched by ticks / (R·M))."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
   cfg = model.cfg
   flops = model.flops_per_token * cfg.train.batch_size * cfg.train.seq_len
   if cfg.train.remat == "full":
     flops *= 4 / 3  # the forward runs twice
   per_device = flops / math.prod(sizes.values())
   seconds = per_device / (hw.peak_tflops * 1e12)
-  stages, micro = sizes["pipeline"], cfg.train.microbatches
-  bubble = seconds * (stages - 1) / micro
+  S, M, m = sizes["pipeline"], cfg.train.microbatches, cfg.model
+  bubble = 0.0
+  for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers)):
+    if ex.pipelined(cfg, stack, S):
+      R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
+      share = n / max(m.num_hidden_layers, 1)  # of the step's layer compute (the head counted with the rest)
+      bubble += seconds * share * (pipeline_lib.num_ticks(S, M, R) / (R * M) - 1)
   return {"flops_per_device": per_device, "time_s": seconds, "bubble_s": bubble}
 
 

@@ -36,7 +36,7 @@ def compare(cfg: Config, model, sizes: dict[str, int], hw) -> dict[str, Any]:
   gathered weights."""
   from jaxseek.sharding import explore
 
-  built = explore.plan(model, sizes, hw, platform="cpu", pipeline_split=False)
+  built = explore.plan(model, sizes, hw, platform="cpu")
   got = compile_train_step(cfg, sizes)
   mem = built["memory_per_device"]
   return {**got, "predicted_argument_bytes": mem["parameters"] + mem["optimizer"] + mem["other"] + got["batch_bytes"],

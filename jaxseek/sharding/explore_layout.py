@@ -7,10 +7,10 @@ Everything here is analytic and needs no devices: shapes come from the train sta
 A parameter's place on the mesh is written in the scaling-book notation: `w_gate[L, D_fsdp, F_tensor]` splits
 D over the fsdp axis and F over tensor; only axes larger than 1 are shown.
 
-The pipeline axis: the rules map "stages" to it, but the model has no stage axis yet, so the explorer splits
-each layer stack's layers over it (contiguous stages, the embedding on the first, the head and the
-multi-token-prediction layers on the last) and reports the heaviest stage. The real train step replicates over
-`pipeline` until a schedule exists; `as_built(sizes)` is the mesh that describes what it compiles today.
+The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack whose layer count the
+stage count S divides is split into S stages (each holds L/S layers); any other stack, the embedding, the head
+and the multi-token-prediction layers are held whole by every stage, where they run data-parallel (the batch is
+split over `pipeline` outside the schedule). Every stage therefore holds the same.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from jaxseek.config import MESH_AXES, Config
-from jaxseek.sharding.rules import PARAM_RULES, Rules, spec
+from jaxseek.sharding.rules import PARAM_RULES, Rules, spec, state_rules
 
 STACKS = ("embed", "dense_layers", "moe_layers", "final_norm", "head_DV", "mtp_layers")
 LAYER_STACKS = ("dense_layers", "moe_layers")
-LAST_STAGE = ("final_norm", "head_DV", "mtp_layers")
 # One letter per logical axis (the shape-suffix key in jaxseek/model); "head_dim" and unnamed dimensions take
 # the letter of the variable's own suffix (H, R or P; E for the router).
 LETTERS = {"embed": "D", "vocab": "V", "heads": "N", "kv_heads": "G", "q_lora": "Q", "kv_lora": "C", "mlp": "F",
@@ -68,7 +67,7 @@ class Model:
     return dataclasses.replace(self, cfg=cfg)
 
 
-def describe(cfg: Config, rules: Rules = PARAM_RULES) -> Model:
+def describe(cfg: Config) -> Model:
   """Builds the train state abstractly (nothing allocated) and records every leaf with its placement."""
   from jaxseek import metrics as metrics_lib
   from jaxseek import train as train_lib
@@ -78,10 +77,10 @@ def describe(cfg: Config, rules: Rules = PARAM_RULES) -> Model:
   leaves = []
   for kind in ("params", "biases", "opt_state"):
     for path, var in _flatten(getattr(state, kind)):
-      leaves.append(_leaf(kind, path, var, rules))
+      leaves.append(_leaf(kind, path, var, state_rules(kind, cfg.train.zero)))
   for kind in ("step", "loss_window"):
     value = getattr(state, kind)
-    leaves.append(_leaf("other", kind, value, rules))
+    leaves.append(_leaf("other", kind, value, PARAM_RULES))
   total = sum(math.prod(x.shape) for x in leaves if x.kind == "params")
   mtp = sum(math.prod(x.shape) for x in leaves if x.kind == "params" and x.stack == "mtp_layers")
   flops = metrics_lib.flops_per_token(cfg, state.params)
@@ -143,18 +142,19 @@ def _letters(path: str, names: tuple[str | None, ...]) -> str:
 # --------------------------------------------------------------------------------------------- placement
 
 
-def as_built(sizes: dict[str, int]) -> dict[str, int]:
-  """The mesh the real train step compiles today: the pipeline axis only replicates (no schedule yet)."""
-  return {**sizes, "pipeline": 1}
-
-
 def stage_layers(cfg: Config, pipeline: int) -> list[dict[str, int]]:
-  """Layers of each stack on each pipeline stage: the layer sequence (dense, then MoE) cut into `pipeline`
-  contiguous stages, the first `L mod pipeline` stages one layer longer."""
+  """Layers of each stack on each pipeline stage: L/S for a stack S divides (it runs as a pipeline), else all
+  L (it runs on every stage). The same on every stage."""
   m = cfg.model
-  order = ["dense_layers"] * m.num_dense_layers + ["moe_layers"] * m.num_moe_layers
-  bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(len(order)), pipeline)])
-  return [{s: order[lo:hi].count(s) for s in LAYER_STACKS} for lo, hi in zip(bounds[:-1], bounds[1:])]
+  held = {"dense_layers": m.num_dense_layers, "moe_layers": m.num_moe_layers}
+  per_stage = {s: n // pipeline if n and n % pipeline == 0 else n for s, n in held.items()}
+  return [dict(per_stage) for _ in range(pipeline)]
+
+
+def pipelined(cfg: Config, stack: str, pipeline: int) -> bool:
+  """Whether a layer stack is split over the pipeline stages."""
+  n = {"dense_layers": cfg.model.num_dense_layers, "moe_layers": cfg.model.num_moe_layers}.get(stack, 0)
+  return pipeline > 1 and bool(n) and n % pipeline == 0
 
 
 def leaf_bytes(leaf: Leaf, sizes: dict[str, int], layers: int | None = None) -> int:
@@ -168,13 +168,9 @@ def leaf_bytes(leaf: Leaf, sizes: dict[str, int], layers: int | None = None) -> 
 
 
 def on_stage(leaf: Leaf, stage: int, layers: list[dict[str, int]]) -> int | None:
-  """The leaf's layer count on `stage` (0: the stage does not hold it; None: held whole)."""
+  """The leaf's layer count on `stage` (None: held whole)."""
   if leaf.stack in LAYER_STACKS:
     return layers[stage][leaf.stack]
-  if leaf.stack == "embed" and stage != 0:
-    return 0
-  if leaf.stack in LAST_STAGE and stage != len(layers) - 1:
-    return 0
   return None
 
 
@@ -205,29 +201,28 @@ def notation(leaf_name: str, letters: str, axes: tuple[tuple[str, ...], ...], si
   return f"{base}[{', '.join(parts)}]"
 
 
-def parameter_rows(model: Model, sizes: dict[str, int], pipeline_split: bool = True) -> list[dict[str, Any]]:
-  """One row per parameter (layer stacks folded: one row covers all layers of a stack)."""
-  layers = stage_layers(model.cfg, sizes["pipeline"] if pipeline_split else 1)
-  split = sizes if pipeline_split else as_built(sizes)
+def parameter_rows(model: Model, sizes: dict[str, int]) -> list[dict[str, Any]]:
+  """One row per parameter (layer stacks folded: one row covers all layers of a stack); "stages" is the number
+  of pipeline stages its layers are split over (1: every stage holds it whole)."""
+  layers = stage_layers(model.cfg, sizes["pipeline"])
   rows = []
   for leaf in model.leaves:
     if leaf.kind not in ("params", "biases"):
       continue
-    per_stage = [leaf_bytes(leaf, split, on_stage(leaf, s, layers)) for s in range(len(layers))
-                 if on_stage(leaf, s, layers) != 0]
+    piped = pipelined(model.cfg, leaf.stack, sizes["pipeline"])
+    per_stage = [leaf_bytes(leaf, sizes, on_stage(leaf, s, layers)) for s in range(len(layers))]
     rows.append({"name": leaf.path, "kind": "bias" if leaf.kind == "biases" else "param", "stack": leaf.stack,
                  "shape": list(leaf.shape), "dtype": leaf.dtype, "logical_axes": list(leaf.names),
                  "mesh_axes": [list(a) for a in leaf.axes],
                  "placement": notation(leaf.path.rsplit(".", 1)[-1], leaf.letters, leaf.axes, sizes,
-                                       pipeline_split and "layers" in leaf.names),
-                 "stages": len(per_stage), "bytes_per_device": max(per_stage)})
+                                       piped and "layers" in leaf.names),
+                 "stages": sizes["pipeline"] if piped else 1, "bytes_per_device": max(per_stage)})
   return rows
 
 
-def optimizer_rows(model: Model, sizes: dict[str, int], pipeline_split: bool = True) -> list[dict[str, Any]]:
-  """Optimiser state grouped by slot (AdamW mu, nu; step counters) and stack, bytes on the heaviest stage."""
-  layers = stage_layers(model.cfg, sizes["pipeline"] if pipeline_split else 1)
-  split = sizes if pipeline_split else as_built(sizes)
+def optimizer_rows(model: Model, sizes: dict[str, int]) -> list[dict[str, Any]]:
+  """Optimiser state grouped by slot (AdamW mu, nu; step counters) and stack, bytes on one stage."""
+  layers = stage_layers(model.cfg, sizes["pipeline"])
   groups: dict[tuple[str, str], dict[str, Any]] = {}
   for leaf in model.leaves:
     if leaf.kind != "opt_state":
@@ -241,7 +236,7 @@ def optimizer_rows(model: Model, sizes: dict[str, int], pipeline_split: bool = T
     for s in range(len(layers)):
       count = on_stage(leaf, s, layers)
       if count != 0:
-        row["bytes_per_stage"][s] += leaf_bytes(leaf, split, count)
+        row["bytes_per_stage"][s] += leaf_bytes(leaf, sizes, count)
   rows = []
   for row in groups.values():
     per_stage = row.pop("bytes_per_stage")

@@ -4,12 +4,16 @@ A layer's backward needs the tensors its forward saved (the residuals). Without 
 them; with `train.remat=full` a layer keeps only its input x[B, T, D] and recomputes the rest while its backward
 runs. The tensors and how many copies of each the backward keeps follow the model code (listed by
 `activation_rows`). The backward of a layer needs about its saved tensors' size again for their gradients; the
-head's logits are freed before that starts, so the larger of the two counts. Per device, with 1F1B pipelining a
-stage holds min(stages − stage, microbatches) microbatches in flight:
+head's logits are freed before that starts, so the larger of the two counts. Each layer run counts once:
 
-  activations = in_flight · Σ_layers saved + max(saved(one layer), logits)              (remat none)
-  activations = in_flight · Σ_layers x[B,T,D] + saved(one layer) + max(saved(one layer), logits)  (remat full)
-  gradients   = parameters (× 2 with microbatches: the accumulator and one microbatch's gradients)
+  activations = Σ_runs saved + max(saved(one layer), logits)                         (remat none)
+  activations = Σ_runs x[B,T,D] + saved(one layer) + max(saved(one layer), logits)   (remat full)
+  gradients   = parameters (× 2 with accumulation: the accumulator and one microbatch's gradients)
+
+Without a pipeline, accumulation runs one microbatch (B/M rows) at a time: one run per layer. With S stages, a
+pipelined stack's schedule saves every tick (sharding/pipeline.py): ticks × L/(S·R) layer runs per stage on a
+microbatch of B/M rows (not split over `pipeline`), ticks = R·M + S − 1; everything else (unpipelined stacks,
+MTP, head) runs once on the whole batch split over pipeline × data × fsdp × expert.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from jaxseek.model import moe as moe_lib
 from jaxseek.sharding import explore_layout as ex
 from jaxseek.sharding.rules import ACTIVATION_RULES, spec
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "moe_dispatch", "gathered_weights", "other")
 
 
@@ -117,10 +121,11 @@ def head_tensors(cfg: Config, batch: int) -> list[Tensor]:
                  ("batch", "length", "vocab"), 4, 3 * depth)]
 
 
-def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str) -> list[Tensor]:
-  """Everything one decoder layer keeps for one microbatch."""
+def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str,
+                  batch: int | None = None) -> list[Tensor]:
+  """Everything one decoder layer keeps for one run on `batch` rows (default: one microbatch)."""
   m = cfg.model
-  batch = cfg.train.batch_size // cfg.train.microbatches
+  batch = cfg.train.batch_size // cfg.train.microbatches if batch is None else batch
   out = attention_tensors(cfg, batch, platform)
   if not moe:
     return out + mlp_tensors(cfg, batch, m.intermediate_size, platform=platform)
@@ -160,57 +165,78 @@ def _split(tensors: list[Tensor], sizes: dict[str, int]) -> tuple[int, int]:
   return sum(t.bytes(sizes) * t.copies for t in tensors) - dispatch, dispatch
 
 
-def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu",
-           pipeline_split: bool = True) -> dict[str, Any]:
-  """Bytes per device by kind on the heaviest pipeline stage, with the stage and its layers."""
-  cfg = model.cfg
-  stages = ex.stage_layers(cfg, sizes["pipeline"] if pipeline_split else 1)
-  split = sizes if pipeline_split else ex.as_built(sizes)
-  per_layer = {moe: _split(layer_tensors(cfg, split, moe, platform), split) for moe in (False, True)
-               if moe <= cfg.model.is_moe}
-  batch = cfg.train.batch_size // cfg.train.microbatches
-  x_layer = attention_tensors(cfg, batch, platform)[0].bytes(split)
-  head = _split(head_tensors(cfg, batch), split)[0]
-  best = None
-  for s, layers in enumerate(stages):
-    state = ex.stage_state_bytes(model, split, s, stages)
-    out = {"parameters": state["params"] + state["biases"], "optimizer": state["opt_state"],
-           "other": state["other"],
-           "gradients": state["params"] * (2 if cfg.train.microbatches > 1 else 1)}
-    kinds = [False] * layers["dense_layers"] + [True] * layers["moe_layers"]
-    if s == len(stages) - 1:
-      kinds += [cfg.model.is_moe] * cfg.model.num_nextn_predict_layers
-    in_flight = min(len(stages) - s, cfg.train.microbatches)
-    out.update(_activations(cfg, kinds, per_layer, x_layer, in_flight, head if s == len(stages) - 1 else 0))
-    out["gathered_weights"] = gathered_weights(model, split, s == 0, s == len(stages) - 1)
-    out["total"] = sum(out[k] for k in KINDS)
-    if best is None or out["total"] > best[1]["total"]:
-      best = (s, out, layers)
-  stage, out, layers = best
-  return {"bytes": out, "stage": stage, "stages": len(stages), "layers_on_stage": layers}
+def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dict[str, Any]:
+  """Bytes per device by kind on a pipeline stage (all stages hold the same), with its layers."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
+  cfg, S = model.cfg, sizes["pipeline"]
+  B, M = cfg.train.batch_size, cfg.train.microbatches
+  stages = ex.stage_layers(cfg, S)
+  state = ex.stage_state_bytes(model, sizes, 0, stages)
+  out = {"parameters": state["params"] + state["biases"], "optimizer": state["opt_state"], "other": state["other"],
+         "gradients": state["params"] * (2 if M > 1 and S == 1 else 1)}
+  inner = {**sizes, "pipeline": 1}  # inside the schedule microbatch rows are not split over the stages
+  runs = []  # (layer runs, moe, batch, sizes)
+  for stack, moe in (("dense_layers", False), ("moe_layers", True)):
+    n = getattr(cfg.model, "num_moe_layers" if moe else "num_dense_layers")
+    if not n:
+      continue
+    if ex.pipelined(cfg, stack, S):
+      R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
+      runs.append((pipeline_lib.num_ticks(S, M, R) * n // (S * R), moe, B // M, inner))
+    else:
+      runs.append((n, moe, B if S > 1 else B // M, sizes))
+  outer_batch = B if S > 1 else B // M
+  runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, outer_batch, sizes))
+  head = _split(head_tensors(cfg, outer_batch), sizes)[0]
+  out.update(_activations(cfg, [r for r in runs if r[0]], head, platform))
+  out["gathered_weights"] = gathered_weights(model, sizes)
+  out["total"] = sum(out[k] for k in KINDS)
+  return {"bytes": out, "stage": 0, "stages": S, "layers_on_stage": stages[0]}
 
 
-def _activations(cfg: Config, kinds: list[bool], per_layer: dict, x_layer: int, in_flight: int,
-                 head: int) -> dict[str, int]:
-  """Saved tensors of every layer, plus the larger of the head's logits and one layer's backward (the logits
-  are freed before the layers' backward starts)."""
-  if not kinds:
+def _activations(cfg: Config, runs: list[tuple], head: int, platform: str) -> dict[str, int]:
+  """Saved tensors of every layer run, plus the larger of the head's logits and one layer's backward (the
+  logits are freed before the layers' backward starts)."""
+  if not runs:
     return {"activations": head, "moe_dispatch": 0}
-  biggest = max(kinds, key=lambda k: sum(per_layer[k]))
-  if cfg.train.remat == "full":
-    return {"activations": in_flight * x_layer * len(kinds) + per_layer[biggest][0]
-                           + max(per_layer[biggest][0], head),
-            "moe_dispatch": 2 * per_layer[biggest][1]}
-  saved = [sum(per_layer[k][i] for k in kinds) for i in (0, 1)]
-  return {"activations": in_flight * saved[0] + max(per_layer[biggest][0], head),
-          "moe_dispatch": in_flight * saved[1] + per_layer[biggest][1]}
+  policy = cfg.train.remat
+  per_run = []  # (runs, activation bytes, dispatch bytes, bytes kept between forward and backward) of a layer
+  for count, moe, batch, sizes in runs:
+    tensors = layer_tensors(cfg, sizes, moe, platform, batch)
+    act, dispatch = _split(tensors, sizes)
+    per_run.append((count, act, dispatch, sum(t.bytes(sizes) * kept_copies(t, policy) for t in tensors)))
+  biggest = max(per_run, key=lambda r: r[1] + r[2])
+  if policy == "none":
+    return {"activations": sum(n * a for n, a, _, _ in per_run) + max(biggest[1], head),
+            "moe_dispatch": sum(n * d for n, _, d, _ in per_run) + biggest[2]}
+  # every layer keeps what the policy saves; one layer at a time recomputes the rest for its backward
+  return {"activations": sum(n * k for n, _, _, k in per_run) + biggest[1] + max(biggest[1], head),
+          "moe_dispatch": 2 * biggest[2]}
 
 
-def gathered_weights(model: ex.Model, sizes: dict[str, int], first: bool = True, last: bool = True) -> int:
+def kept_copies(t: Tensor, policy: str) -> int:
+  """Copies of `t` a layer keeps under a remat policy other than none (model/remat.py): the input x always
+  (the scan carries it); minimal also the attention output and MLA latents; save_dots every projection output
+  (not the attention scores and softmax, nor the SwiGLU product, nor the MoE gathers); offload and full nothing
+  more on the device."""
+  if t.name.startswith("x "):
+    return 1
+  if policy == "minimal":
+    return 1 if t.name in ("q latent", "kv latent", "v, attention out", "q, attention out") else 0
+  if policy == "save_dots":
+    if t.name in ("scores, probabilities", "dispatch rows", "dispatch masks", "expert weights (gathered)",
+                  "blocked rows in and out"):
+      return 0
+    return min(t.copies, 2)  # projections: gate and up (MLP), q/k/v, latents; not their elementwise products
+  return 0
+
+
+def gathered_weights(model: ex.Model, sizes: dict[str, int]) -> int:
   """FSDP's transients: one layer's weights all-gathered in the compute dtype with their gradient before the
-  reduce-scatter (expert weights are counted with the MoE buffers), and the embedding table (first stage) and
-  head (last stage), which XLA gathers once and keeps for the backward: gathered, cast, and the full gradient."""
-  key = ("gathered", tuple(sizes[a] for a in MESH_AXES), first, last, model.cfg.train.compute_dtype)
+  reduce-scatter (expert weights are counted with the MoE buffers), and the embedding table and head, which XLA
+  gathers once and keeps for the backward: gathered, cast, and the full gradient."""
+  key = ("gathered", tuple(sizes[a] for a in MESH_AXES), model.cfg.train.compute_dtype)
   if sizes["fsdp"] == 1:
     return 0
   if key in model.memo:
@@ -226,7 +252,7 @@ def gathered_weights(model: ex.Model, sizes: dict[str, int], first: bool = True,
     biggest = max(biggest, total)
   ends = 0
   for leaf in model.leaves:
-    if leaf.kind == "params" and ((leaf.stack == "embed" and first) or (leaf.stack == "head_DV" and last)):
+    if leaf.kind == "params" and leaf.stack in ("embed", "head_DV"):
       cast = c if c != leaf.itemsize else 0
       ends += ex.leaf_bytes(leaf, whole) // leaf.itemsize * (2 * leaf.itemsize + cast)
   model.memo[key] = biggest + ends

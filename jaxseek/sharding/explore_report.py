@@ -89,9 +89,9 @@ def print_memory(result: dict[str, Any], out: Console) -> None:
   title = "Memory per device"
   if where["stages"] > 1:
     layers = where["layers_on_stage"]
-    held = [f"{layers['dense_layers']} dense layers", f"{layers['moe_layers']} MoE layers"]
-    held += ["the embedding"] * (where["stage"] == 0) + ["the head and MTP"] * (where["stage"] == where["stages"] - 1)
-    title += f" (heaviest pipeline stage {where['stage']} of {where['stages']}: {', '.join(held)})"
+    held = [f"{layers['dense_layers']} dense layers", f"{layers['moe_layers']} MoE layers",
+            "the embedding, head and MTP"]
+    title += f" (each of {where['stages']} pipeline stages: {', '.join(held)})"
   table = _table(title, "kind", "bytes", "% of device")
   for kind in KINDS + ("total",):
     table.add_row(kind, human(mem[kind]), f"{100 * mem[kind] / hw['memory_bytes']:.1f}")

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from jaxseek.config import MESH_AXES, Config, check_mesh_fit
 from jaxseek.errors import UserError
 from jaxseek.sharding import explore_comm as comm_lib
+from jaxseek.sharding import explore_layout as ex
 from jaxseek.sharding import explore_memory as memory_lib
 from jaxseek.sharding.explore_comm import Hardware
 from jaxseek.sharding.explore_layout import Model
@@ -44,7 +45,8 @@ def meshes(cfg: Config, devices: int, hw: Hardware, pipeline: bool = False) -> I
   m = cfg.model
   for sizes in _factorizations(devices, len(MESH_AXES)):
     s = dict(zip(MESH_AXES, sizes))
-    if (s["pipeline"] > 1 and (not pipeline or s["pipeline"] > m.num_hidden_layers)) \
+    if (s["pipeline"] > 1 and (not pipeline or not any(ex.pipelined(cfg, st, s["pipeline"])
+                                                      for st in ex.LAYER_STACKS))) \
         or (s["expert"] > 1 and not m.is_moe) or cfg.train.seq_len % s["context"] \
         or (s["expert"] * s["context"] * s["tensor"] > hw.devices_per_node and not cfg.mesh.allow_cross_host):
       continue
@@ -66,7 +68,7 @@ def _factorizations(n: int, k: int) -> Iterator[tuple[int, ...]]:
 
 
 def microbatch_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
-  shards = memory_lib.batch_shards(sizes)
+  shards = memory_lib.batch_shards({**sizes, "pipeline": 1})  # microbatch rows: split over the batch axes
   B = cfg.train.batch_size
   return [m for m in range(1, B + 1) if B % m == 0 and (B // m) % shards == 0]
 

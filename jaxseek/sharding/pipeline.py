@@ -127,7 +127,7 @@ def check_stacks(cfg: Config, stages: int) -> None:
   if stages > 1 and not any(n and n % stages == 0 for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key mesh.pipeline: {stages} divides neither layer stack ({m.num_dense_layers} dense, "
                     f"{m.num_moe_layers} MoE layers); choose a pipeline size that divides one of them")
-  if R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
+  if stages > 1 and R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key train.pipeline_repeats: {R} repeats x {stages} stages divides neither layer stack "
                     f"({m.num_dense_layers} dense, {m.num_moe_layers} MoE layers); choose repeats R with "
                     f"mesh.pipeline x R dividing one of them, or 1")
@@ -187,7 +187,7 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
     rows = {k: k in per_row for k in aux_shape}
 
     def tick(carry, t):
-      held_bTD, out_MbTD, aux_acc = carry
+      held_bTD, aux_acc = carry
       k = t - s  # this stage's work item at tick t
       kc = jnp.clip(k, 0, items - 1)
       r, m = (kc % (R * S)) // S, (kc // (R * S)) * S + kc % S
@@ -197,20 +197,22 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
       mc = jnp.clip(m, 0, M - 1)
       x_bTD = jnp.where((s == 0) & (r == 0), x_MbTD[mc], held_bTD)
       y_bTD, aux = stage(x_bTD, jax.tree.map(lambda a: a[mc], side_M), jax.tree.map(lambda a: a[r], chunks))
-      out_MbTD = jnp.where((s == S - 1) & (r == R - 1) & valid, out_MbTD.at[mc].set(y_bTD), out_MbTD)
       aux_acc = jax.tree.map(
           lambda acc, a, per: jnp.where(valid, acc.at[r, :, mc].set(a) if per else acc.at[r].add(a), acc),
           aux_acc, aux, rows)
       held_bTD = jax.lax.ppermute(y_bTD, AXIS, [(i, (i + 1) % S) for i in range(S)])
-      return (held_bTD, out_MbTD, aux_acc), None
+      return (held_bTD, aux_acc), y_bTD  # outputs leave per tick, not in the carry (which autodiff saves per tick)
 
     aux_zero = jax.tree.map(
         lambda a, per: jnp.zeros((R, a.shape[0], M, *a.shape[1:]) if per else (R, *a.shape), a.dtype),
         aux_shape, rows)
-    init = (jnp.zeros_like(x_MbTD[0]), jnp.zeros_like(x_MbTD), aux_zero)
-    (_, out_MbTD, aux_acc), _ = jax.lax.scan(tick, init, jnp.arange(num_ticks(S, M, R)))
-    # Only the last stage holds the outputs: share them (replicated over `pipeline` from here on).
-    out_MbTD = jax.lax.psum(jnp.where(s == S - 1, out_MbTD, 0), AXIS)
+    init = (jnp.zeros_like(x_MbTD[0]), aux_zero)
+    (_, aux_acc), y_tbTD = jax.lax.scan(tick, init, jnp.arange(num_ticks(S, M, R)))
+    # The last stage finishes microbatch m at tick S − 1 + k (its last round's work item); share those outputs
+    # (replicated over `pipeline` from here on).
+    m = np.arange(M)
+    last_k = (m // S) * R * S + (R - 1) * S + m % S if R > 1 else m
+    out_MbTD = jax.lax.psum(jnp.where(s == S - 1, y_tbTD[S - 1 + last_k], 0), AXIS)
     aux_acc = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_acc)  # [R, C] → storage rows
     aux_acc = {k: merge_rows(a) if rows[k] else a for k, a in aux_acc.items()}
     return out_MbTD, aux_acc

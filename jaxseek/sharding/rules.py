@@ -7,7 +7,9 @@ In the scaling-book notation the defaults are:
   activations  x[B_(pipeline,data,fsdp,expert), T_context, D]
 
 FSDP (ZeRO-3) is "embed → fsdp" for parameters: XLA all-gathers each weight before use and reduce-scatters its
-gradient. Every non-model axis splits the batch. The pipeline axis splits it too wherever no pipeline schedule
+gradient (ZeRO-3). With train.zero=1 parameters stay whole on fsdp and only the optimiser state is split there
+(ZeRO-1: XLA all-reduces the gradients and all-gathers the updated parameters). Every non-model axis splits the
+batch. The pipeline axis splits it too wherever no pipeline schedule
 runs (embedding, head and loss, layer stacks that are not pipelined): there the stages work as data-parallel
 replicas instead of repeating the same work. Inside the schedule's shard_map `pipeline` is a manual axis, and
 the activation rules leave manual axes out.
@@ -31,6 +33,15 @@ PARAM_RULES: Rules = {
     "experts": ("expert",),
     "stages": ("pipeline",),
 }
+
+# ZeRO-1 (train.zero=1): parameters and gradients replicated over fsdp, only the optimiser state sharded on it
+ZERO1_PARAM_RULES: Rules = {**PARAM_RULES, "embed": ()}
+
+
+def state_rules(kind: str, zero: int) -> Rules:
+  """The parameter rules for one part of the train state: "params" / "biases" or "opt_state"."""
+  return ZERO1_PARAM_RULES if zero == 1 and kind != "opt_state" else PARAM_RULES
+
 
 ACTIVATION_RULES: Rules = {
     "batch": ("pipeline", "data", "fsdp", "expert"),
@@ -78,10 +89,10 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
 
 
 def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
-               mesh: jax.sharding.Mesh | None = None) -> PartitionSpec:
+               mesh: jax.sharding.Mesh | None = None, rules: Rules = PARAM_RULES) -> PartitionSpec:
   """A parameter's PartitionSpec. With a pipeline axis > 1 in `mesh`, a layer stack whose layer count it
   divides is split into stages along it (jaxseek.sharding.pipeline runs those stacks as a pipeline)."""
-  out = spec(names, PARAM_RULES)
+  out = spec(names, rules)
   stages = mesh.shape.get("pipeline", 1) if mesh is not None else 1
   if stages > 1 and names and names[0] == "layers" and shape is not None and shape[0] % stages == 0:
     out = PartitionSpec("pipeline", *out[1:])
