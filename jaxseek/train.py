@@ -97,7 +97,7 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
                            dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches,
-                           pipeline_repeats=cfg.train.pipeline_repeats)
+                           pipeline_repeats=cfg.train.pipeline_repeats, fp8=cfg.train.fp8)
 
   with jax.set_mesh(mesh):
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)

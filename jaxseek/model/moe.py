@@ -36,6 +36,7 @@ from flax import nnx
 
 from jaxseek.config import ModelConfig
 from jaxseek.errors import UserError
+from jaxseek.model import fp8
 from jaxseek.model.layers import MLP, param
 from jaxseek.sharding import rules
 
@@ -274,13 +275,14 @@ def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD,
 
 
 def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD, routing: Routing,
-                   capacity_factor: float | None = None):
+                   capacity_factor: float | None = None, fp8_inputs: bool = False):
   """Routing and expert computation on every token shard inside `jax.shard_map`, experts split on `expert`.
 
   Only the statistics and the expert-axis dispatch cross shards: expert loads and dropped copies are summed
   over the whole batch, per-sequence balance sums over the length axis, tensor-parallel partial outputs are
   all-reduced. Returns y [B, T, D], load [E] (tokens per expert over the global batch), balance loss per
   sequence [B], dropped (token copies over capacity, summed over the global batch) [].
+  `fp8_inputs`: the tokens the experts see are rounded to FP8 (1×128 tiles); the router sees them unrounded.
   """
   mesh = rules.has_mesh()
   batch_axes, length_axes = rules.mesh_axes("batch"), rules.mesh_axes("length")
@@ -294,6 +296,8 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
     x_xD = x_btD.reshape(b * t, D)
     logits_xE = jnp.einsum("xD,DE->xE", x_xD.astype(jnp.float32), w_router_DE)
     idx_xK, weights_xK, scores_xE = route(logits_xE, bias_E, routing, shards)
+    if fp8_inputs:
+      x_xD = fp8.tiles(x_xD)
     cap = capacity(b * t, K, shards, E // shards, capacity_factor)
     valid_x = valid_bt.reshape(-1).astype(jnp.float32)
     if shards == 1 and cap == capacity(b * t, K, 1, E, None):
@@ -335,7 +339,7 @@ def balance_loss(counts_BE: jax.Array, score_sums_BE: jax.Array, tokens_B: jax.A
 class MoE(nnx.Module):
   """Routed experts (dropless unless a capacity factor is set) plus always-on shared experts."""
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
     D, E, M = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     std = cfg.initializer_range
     self.w_router_DE = param(rngs, (D, E), ("embed", None), jnp.float32, std)
@@ -344,8 +348,9 @@ class MoE(nnx.Module):
     self.w_gate_EDM = param(rngs, (E, D, M), ("experts", "embed", "expert_mlp"), param_dtype, std)
     self.w_up_EDM = param(rngs, (E, D, M), ("experts", "embed", "expert_mlp"), param_dtype, std)
     self.w_down_EMD = param(rngs, (E, M, D), ("experts", "expert_mlp", "embed"), param_dtype, std)
-    self.shared = MLP(D, M * cfg.n_shared_experts, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs) \
-        if cfg.n_shared_experts else None
+    self.shared = MLP(D, M * cfg.n_shared_experts, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs,
+                      fp8=fp8) if cfg.n_shared_experts else None
+    self.fp8 = fp8
     self.routing = Routing.from_config(cfg)
     if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
       raise UserError(f"config key model.moe_capacity_factor: {cfg.moe_capacity_factor} must be > 0, or null "
@@ -355,11 +360,11 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns y [B, T, D] and aux: `load` [E], `balance` [B], `dropped` [] (see routed_experts)."""
-    w = lambda p: p[...].astype(self.dtype)
+    w = lambda p: fp8.blocks(p[...].astype(self.dtype)) if self.fp8 else p[...].astype(self.dtype)
     bias_E = self.bias_E[...] if self.bias_E is not None else jnp.zeros(self.w_router_DE.shape[1:], jnp.float32)
     y_BTD, load_E, balance_B, dropped = routed_experts(
         x_BTD, valid_BT, self.w_router_DE[...], bias_E, w(self.w_gate_EDM), w(self.w_up_EDM), w(self.w_down_EMD),
-        self.routing, self.capacity_factor)
+        self.routing, self.capacity_factor, self.fp8)
     if self.shared is not None:
       y_BTD = y_BTD + self.shared(x_BTD)
     return y_BTD, {"load": load_E, "balance": balance_B, "dropped": dropped}

@@ -21,15 +21,16 @@ ACT_BTD = ("batch", "length", "embed")
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)) with a dense MLP or the MoE."""
 
-  def __init__(self, cfg: ModelConfig, moe: bool, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, moe: bool, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
     D, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.attn_norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.attn = make_attention(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.mlp_norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     if moe:
-      self.mlp = MoE(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+      self.mlp = MoE(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
     else:
-      self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+      self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, param_dtype=param_dtype, dtype=dtype, rngs=rngs,
+                     fp8=fp8)
     self.moe = moe
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, valid_BT):
@@ -46,12 +47,12 @@ class Stack(nnx.Module):
   """`num_layers` identical blocks whose parameters are stacked on a leading "layers" axis, run by lax.scan."""
 
   def __init__(self, cfg: ModelConfig, num_layers: int, moe: bool, *, param_dtype, dtype, remat: str,
-               microbatches: int, pipeline_repeats: int, rngs: nnx.Rngs):
+               microbatches: int, pipeline_repeats: int, rngs: nnx.Rngs, fp8: bool = False):
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Block:
-      return Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+      return Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
 
     self.blocks = make(rngs)
     for _, node in nnx.iter_graph(self.blocks):
@@ -85,13 +86,13 @@ class MTPLayer(nnx.Module):
   h_i^k = norm(Block(h'_i)),  logits_i^k = Head(h_i^k) predicts t_{i+k+1}; Emb and Head are the main model's.
   """
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
     D, eps, std = cfg.hidden_size, cfg.rms_norm_eps, cfg.initializer_range
     self.enorm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.hnorm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.w_e_DD = param(rngs, (D, D), ("embed", None), param_dtype, std)
     self.w_h_DD = param(rngs, (D, D), ("embed", None), param_dtype, std)
-    self.block = Block(cfg, cfg.is_moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+    self.block = Block(cfg, cfg.is_moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
     self.norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = dtype
 
@@ -112,16 +113,16 @@ class Transformer(nnx.Module):
   """The DeepSeek language model: embedding, dense stack, MoE stack, final norm, head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-               remat: str = "none", microbatches: int = 1, pipeline_repeats: int = 1):
+               remat: str = "none", microbatches: int = 1, pipeline_repeats: int = 1, fp8: bool = False):
     D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
     kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, microbatches=microbatches,
-              pipeline_repeats=pipeline_repeats, rngs=rngs)
+              pipeline_repeats=pipeline_repeats, rngs=rngs, fp8=fp8)
     self.embed = Embed(V, D, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.dense_layers = Stack(cfg, cfg.num_dense_layers, False, **kw) if cfg.num_dense_layers else None
     self.moe_layers = Stack(cfg, cfg.num_moe_layers, True, **kw) if cfg.num_moe_layers else None
     self.final_norm = RMSNorm(D, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.head_DV = None if cfg.tie_word_embeddings else param(rngs, (D, V), ("embed", "vocab"), param_dtype, std)
-    self.mtp_layers = nnx.List([MTPLayer(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+    self.mtp_layers = nnx.List([MTPLayer(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
                                 for _ in range(cfg.num_nextn_predict_layers)])
     self.dtype = dtype
 

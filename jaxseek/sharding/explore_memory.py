@@ -2,12 +2,12 @@
 
 A layer's backward needs the tensors its forward saved (the residuals). Without remat every layer keeps all of
 them; with `train.remat=full` a layer keeps only its input x[B, T, D] and recomputes the rest while its backward
-runs. The tensors and how many copies of each the backward keeps follow the model code (listed by
+runs; the other policies (model/remat.py) keep what `kept_copies` lists. The tensors and how many copies of each the backward keeps follow the model code (listed by
 `activation_rows`). The backward of a layer needs about its saved tensors' size again for their gradients; the
 head's logits are freed before that starts, so the larger of the two counts. Each layer run counts once:
 
   activations = Σ_runs saved + max(saved(one layer), logits)                         (remat none)
-  activations = Σ_runs x[B,T,D] + saved(one layer) + max(saved(one layer), logits)   (remat full)
+  activations = Σ_runs kept + saved(one layer) + max(saved(one layer), logits)       (any other policy)
   gradients   = parameters (× 2 with accumulation: the accumulator and one microbatch's gradients)
 
 Without a pipeline, accumulation runs one microbatch (B/M rows) at a time: one run per layer. With S stages, a
