@@ -34,7 +34,9 @@ from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left
 from jaxseek.sharding import explore_suggest
 from jaxseek.sharding import mesh as mesh_lib
+from jaxseek.sharding import compression
 from jaxseek.sharding import pipeline as pipeline_lib
+from jaxseek.sharding import rules
 from jaxseek.sharding.rules import param_spec, shard, state_rules
 
 
@@ -47,6 +49,7 @@ class TrainState:
   loss_window: jax.Array  # the last train.spike_window accepted losses (NaN until filled), for spike skipping
   loss_scale: jax.Array  # float16 compute: the dynamic loss scale (1 otherwise)
   good_steps: jax.Array  # float16 compute: steps since the scale last changed without an overflow
+  grad_residual: Any  # train.grad_compression: each data shard's error-feedback residual [data, ...] (else {})
 
 
 @flax.struct.dataclass
@@ -77,12 +80,30 @@ def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3) -> Any:
         if _is_variable(x) else replicated, tree, is_leaf=_is_variable)
 
   out = jax.tree.map(lambda _: replicated, abstract_state, is_leaf=_is_variable)
-  return out.replace(**{kind: part(getattr(abstract_state, kind), kind) for kind in ("params", "biases", "opt_state")})
+  out = out.replace(**{kind: part(getattr(abstract_state, kind), kind) for kind in ("params", "biases", "opt_state")})
+  residual = jax.tree.map(  # one residual per data shard, each placed as its parameter
+      lambda x: NamedSharding(mesh, PartitionSpec(compression.AXIS, *param_spec(
+          x.get_metadata()["logical_axes"], x.shape[1:], mesh, state_rules("params", zero)))),
+      abstract_state.grad_residual, is_leaf=_is_variable)
+  return out.replace(grad_residual=residual)
+
+
+def compressed(cfg: config_lib.Config, mesh: Mesh) -> bool:
+  """Whether the data-axis gradient sum runs compressed (sharding/compression.py)."""
+  return cfg.train.grad_compression != "none" and mesh.shape["data"] > 1
 
 
 def check_setup(cfg: config_lib.Config, mesh: Mesh) -> None:
   """Settings that depend on the mesh or the backend: refused with one line before anything is written."""
   pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
+  if cfg.train.grad_compression != "none" and mesh.shape["pipeline"] > 1:
+    raise UserError("config key train.grad_compression: not supported together with mesh.pipeline > 1 yet; "
+                    "set train.grad_compression=none or mesh.pipeline=1")
+  m = cfg.model
+  if cfg.train.grad_compression != "none" and m.is_moe and (m.num_moe_layers or m.num_nextn_predict_layers):
+    raise UserError("config key train.grad_compression: supported for dense layers only so far (the MoE layer's "
+                    "expert dispatch does not run inside the per-data-shard gradient); set it to none for MoE "
+                    "models")
   why = remat_lib.check_backend(cfg.train.remat, mesh.devices.flat[0].platform)
   if why:
     raise UserError(why)
@@ -111,9 +132,12 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
     # the same model as on one device, its layers in the storage order the pipeline schedule reads
     params, biases = pipeline_lib.reorder((params, biases), stacks, (1, 1), storage)
     scale = cfg.train.loss_scale_init if cfg.train.compute_dtype == "float16" else 1.0
+    residual = {} if not compressed(cfg, mesh) else jax.tree.map(
+        lambda p: jnp.zeros((mesh.shape["data"], *p.shape), jnp.float32), params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params),
                       loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32),
-                      loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32))
+                      loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                      grad_residual=residual)
 
   with jax.set_mesh(mesh):
     abstract_state = jax.eval_shape(init)
@@ -164,6 +188,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
   n_mtp = [jnp.maximum(mtp_mask(batch, k).sum(), 1.0) for k in range(1, depth + 1)]
   alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
+  # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
+  data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
 
   def loss_fn(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
@@ -173,26 +199,45 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                           for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
     balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
     loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
-    objective = ce_sum / n_tokens + alpha * balance / n_micro
+    objective = ce_sum / n_tokens + alpha * balance / (n_micro * data_shards)  # balance: a mean over rows
     if depth:
       objective += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
     return objective * state.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  if n_micro == 1:
-    (_, (ce_sum, mtp_sums, balance, loads)), grads = grad_fn(state.params, batch)
-  else:
+
+  def gradients(params, batch):
+    """(grads, ce_sum, mtp_sums, balance, loads) of `batch`, accumulated over the microbatches."""
+    if n_micro == 1:
+      (_, aux), grads = grad_fn(params, batch)
+      return (grads, *aux)
+
     def accumulate(carry, mb):
       mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
-      (_, aux), g = grad_fn(state.params, mb)
+      (_, aux), g = grad_fn(params, mb)
       return jax.tree.map(jnp.add, carry, (g, *aux)), None
 
     first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
-    (_, aux_shapes), _ = jax.eval_shape(grad_fn, state.params, first)
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (state.params, *aux_shapes))
+    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, first)
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (params, *aux_shapes))
     (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, n_micro))
-    balance = balance / n_micro
+    return grads, ce_sum, mtp_sums, balance / n_micro, loads
 
+  residual = state.grad_residual
+  if not jax.tree.leaves(residual):
+    grads, ce_sum, mtp_sums, balance, loads = gradients(state.params, batch)
+  else:  # each data shard's gradient, summed over `data` compressed (sharding/compression.py)
+    shards = data_shards
+    split = jax.tree.map(lambda v: shard(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]),
+                                         ("data_shards", "batch")), batch)
+    with rules.reserved(compression.AXIS):  # inside, "batch" no longer names the data axis: the vmap holds it
+      per_shard = jax.vmap(gradients, in_axes=(None, 0), spmd_axis_name=compression.AXIS)(state.params, split)
+    grads_S, ce_sum, mtp_sums, balance, loads = per_shard
+    specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.grad_residual)
+    grads, residual = compression.reduce(grads_S, residual, cfg.train.grad_compression, specs)
+    # sums over the shards; the balance term is a mean over rows, each shard's over 1/shards of them
+    ce_sum, mtp_sums, loads = jax.tree.map(lambda a: a.sum(0), (ce_sum, mtp_sums, loads))
+    balance = balance.mean(0)
   grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
   updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -219,7 +264,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
   new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
                          opt_state=keep(opt_state, state.opt_state), loss_window=window, loss_scale=loss_scale,
-                         good_steps=good_steps)
+                         good_steps=good_steps, grad_residual=keep(residual, state.grad_residual))
   return new_state, metrics
 
 

@@ -30,6 +30,7 @@ import math
 from typing import Any
 
 from jaxseek.config import MESH_AXES
+from jaxseek.sharding import compression
 from jaxseek.sharding import explore_layout as ex
 from jaxseek.sharding import explore_memory as em
 
@@ -83,6 +84,13 @@ def _weights(model: ex.Model, sizes, stage, stages, micro, passes):
   units = _weight_units(model, sizes, stage, stages)
   scale = {"all-gather": passes * micro, "reduce-scatter": micro, "all-reduce": micro}
   out = [(axis, kind, what, count * scale[kind], nbytes * scale[kind]) for axis, kind, what, count, nbytes in units]
+  method, d = model.cfg.train.grad_compression, sizes["data"]
+  if method != "none" and d > 1:  # the data-axis gradient sum goes compressed (sharding/compression.py)
+    item = em.ITEMSIZE[model.cfg.train.param_dtype]
+    factor = compression.wire_bytes(1, d, method) / compression.wire_bytes(1, d, "none", item)
+    out = [(axis, "all-gather", f"gradients as {method} (train.grad_compression)", count, nbytes * factor)
+           if axis == "data" and kind == "all-reduce" else (axis, kind, what, count, nbytes)
+           for axis, kind, what, count, nbytes in out]
   n = sizes["fsdp"]
   if model.cfg.train.zero == 1 and n > 1:  # the optimiser updates its fsdp shard; the new weights are gathered
     whole = [(leaf, ex.on_stage(leaf, stage, stages)) for leaf in model.leaves if leaf.kind == "params"]

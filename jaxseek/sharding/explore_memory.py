@@ -190,6 +190,8 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, outer_batch, sizes))
   head = _split(head_tensors(cfg, outer_batch), sizes)[0]
   out.update(_activations(cfg, [r for r in runs if r[0]], head, platform))
+  if cfg.train.grad_compression != "none" and sizes["data"] > 1:  # the error-feedback residual, float32
+    out["gradients"] += state["params"] * 4 // ITEMSIZE[cfg.train.param_dtype]
   out["gathered_weights"] = gathered_weights(model, sizes)
   out["total"] = sum(out[k] for k in KINDS)
   return {"bytes": out, "stage": 0, "stages": S, "layers_on_stage": stages[0]}

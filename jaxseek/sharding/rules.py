@@ -17,6 +17,9 @@ the activation rules leave manual axes out.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -52,12 +55,13 @@ ACTIVATION_RULES: Rules = {
     "mlp": ("tensor",),
     "expert_mlp": ("tensor",),
     "experts": ("expert",),
+    "data_shards": ("data",),  # the leading axis of per-data-shard values (compressed gradient sums)
 }
 
 # Every logical name the model may use; those absent from a table are replicated.
 LOGICAL_AXES = frozenset(
     {"batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp",
-     "expert_mlp", "experts", "layers", "stages"})
+     "expert_mlp", "experts", "layers", "stages", "data_shards"})
 
 
 def spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
@@ -73,10 +77,23 @@ def spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
   return PartitionSpec(*out)
 
 
+_RESERVED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("reserved_axes", default=frozenset())
+
+
+@contextlib.contextmanager
+def reserved(*axes: str):
+  """While tracing inside, activation rules leave `axes` out (an enclosing vmap with spmd_axis_name holds them)."""
+  token = _RESERVED.set(_RESERVED.get() | frozenset(axes))
+  try:
+    yield
+  finally:
+    _RESERVED.reset(token)
+
+
 def _manual_axes() -> frozenset[str]:
-  """Mesh axes the enclosing shard_map handles by hand (none outside one)."""
+  """Mesh axes the enclosing shard_map handles by hand or an enclosing vmap holds (none outside)."""
   mesh = jax.sharding.get_abstract_mesh()
-  return frozenset() if mesh.empty else frozenset(mesh.manual_axes)
+  return _RESERVED.get() | (frozenset() if mesh.empty else frozenset(mesh.manual_axes))
 
 
 def _automatic(rules: Rules) -> Rules:
