@@ -67,7 +67,7 @@ def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3) -> Any:
+def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3, optimizer_memory: str = "device") -> Any:
   """Each Variable (parameters and the optimiser moments that mirror them) is sharded by its logical axes under
   the rules of its part of the state (`rules.state_rules`: ZeRO-3 or ZeRO-1); everything else (step, counters)
   is replicated."""
@@ -81,6 +81,8 @@ def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3) -> Any:
 
   out = jax.tree.map(lambda _: replicated, abstract_state, is_leaf=_is_variable)
   out = out.replace(**{kind: part(getattr(abstract_state, kind), kind) for kind in ("params", "biases", "opt_state")})
+  if optimizer_memory == "host":  # brought to the device for the update, written back after (train_step)
+    out = out.replace(opt_state=jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), out.opt_state))
   residual = jax.tree.map(  # one residual per data shard, each placed as its parameter
       lambda x: NamedSharding(mesh, PartitionSpec(compression.AXIS, *param_spec(
           x.get_metadata()["logical_axes"], x.shape[1:], mesh, state_rules("params", zero)))),
@@ -104,9 +106,13 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh) -> None:
     raise UserError("config key train.grad_compression: supported for dense layers only so far (the MoE layer's "
                     "expert dispatch does not run inside the per-data-shard gradient); set it to none for MoE "
                     "models")
-  why = remat_lib.check_backend(cfg.train.remat, mesh.devices.flat[0].platform)
+  platform = mesh.devices.flat[0].platform
+  why = remat_lib.check_backend(cfg.train.remat, platform)
   if why:
     raise UserError(why)
+  if cfg.train.optimizer_memory == "host" and platform == "cpu":
+    raise UserError("config key train.optimizer_memory: host keeps the optimiser state in pinned host memory, "
+                    "which the cpu backend does not have; use device on cpu")
 
 
 def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
@@ -141,7 +147,7 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
 
   with jax.set_mesh(mesh):
     abstract_state = jax.eval_shape(init)
-    shardings = state_shardings(abstract_state, mesh, cfg.train.zero)
+    shardings = state_shardings(abstract_state, mesh, cfg.train.zero, cfg.train.optimizer_memory)
   jitted = jax.jit(init, out_shardings=shardings)
 
   def init_on_mesh() -> TrainState:
@@ -239,7 +245,11 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     ce_sum, mtp_sums, loads = jax.tree.map(lambda a: a.sum(0), (ce_sum, mtp_sums, loads))
     balance = balance.mean(0)
   grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
-  updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
+  opt_before = state.opt_state
+  if cfg.train.optimizer_memory == "host":
+    opt_before = jax.device_put(opt_before, jax.tree.map(lambda s: s.with_memory_kind("device"),
+                                                         trainer.state_shardings.opt_state))
+  updates, opt_state = trainer.tx.update(grads, opt_before, state.params)
   params = optax.apply_updates(state.params, updates)
   biases = update_biases(state.biases, loads, cfg.optim.bias_update_rate)
   loss, grad_norm = ce_sum / n_tokens, optax.tree.norm(grads)
@@ -263,7 +273,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
   new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
-                         opt_state=keep(opt_state, state.opt_state), loss_window=window, loss_scale=loss_scale,
+                         opt_state=keep(opt_state, opt_before), loss_window=window, loss_scale=loss_scale,
                          good_steps=good_steps, grad_residual=keep(residual, state.grad_residual))
   return new_state, metrics
 

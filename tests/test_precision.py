@@ -270,3 +270,9 @@ def test_grad_compression_refused_for_moe_and_pipeline():
   with pytest.raises(UserError, match="train.grad_compression: supported for dense layers only"):
     train_lib.make_trainer(load_config("tiny-v3", "train.grad_compression=int8", "mesh.data=8"),
                            make_mesh(load_config("tiny-v3", "mesh.data=8")))
+
+
+def test_optimizer_state_in_host_memory_is_refused_on_cpu():
+  cfg = load_config("tiny-v3", "train.optimizer_memory=host")
+  with pytest.raises(UserError, match="train.optimizer_memory: host .* cpu backend does not have"):
+    train_lib.make_trainer(cfg, make_mesh(cfg))
