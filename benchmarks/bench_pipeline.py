@@ -32,7 +32,7 @@ def main() -> None:
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", args.stages)
   import common
-  from jaxseek import train as train_lib
+  from jaxseek import step as step_lib
   from jaxseek.input import global_batches
   from jaxseek.sharding.pipeline import bubble_fraction, num_ticks
   from jaxseek.sharding.mesh import make_mesh
@@ -47,11 +47,11 @@ def main() -> None:
                                                  "microbatches": micro, "pipeline_repeats": repeats,
                                                  "steps": 100}})
     mesh = make_mesh(cfg, jax.devices()[:stages])
-    trainer, state = train_lib.init_state(cfg, mesh)
+    trainer, state = step_lib.init_state(cfg, mesh)
     batches = global_batches(cfg, mesh)
     batch = next(batches)
     with jax.set_mesh(mesh):
-      compiled = train_lib.compile_step(trainer, cfg, mesh).lower(state, batch).compile()
+      compiled = step_lib.compile_step(trainer, cfg, mesh).lower(state, batch).compile()
       temp = compiled.memory_analysis().temp_size_in_bytes
       state, metrics = compiled(state, batch)
       float(metrics["loss"])

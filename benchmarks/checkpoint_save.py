@@ -20,7 +20,7 @@ import jax
 
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import config as config_lib
-from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.sharding.mesh import make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def main() -> None:
       cfg = config_lib.load(ROOT / "configs/demo.yaml", SIZE + [f"checkpoint.async_save={mode == 'async'}",
                                                                 f"train.run_dir={tmp}", "checkpoint.keep=100"])
       mesh = make_mesh(cfg, jax.devices()[:1])
-      trainer, state = train_lib.init_state(cfg, mesh)
+      trainer, state = step_lib.init_state(cfg, mesh)
       mb = sum(x.nbytes for x in jax.tree.leaves(state.params)) / 2**20
       total_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
       ckpt = checkpoint_lib.Checkpointer(cfg, Path(tmp) / "checkpoints")

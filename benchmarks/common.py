@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from jaxseek import config as config_lib  # noqa: E402
 from jaxseek import metrics as metrics_lib  # noqa: E402
-from jaxseek import train as train_lib  # noqa: E402
+from jaxseek import step as step_lib  # noqa: E402
 from jaxseek.input import pipeline  # noqa: E402
 from jaxseek.sharding.mesh import make_mesh  # noqa: E402
 
@@ -70,7 +70,7 @@ class StepTimer:
   def __init__(self, cfg: config_lib.Config, state=None, tokens: np.ndarray | None = None):
     self.cfg = cfg
     self.mesh = make_mesh(cfg, jax.devices()[:1])
-    self.trainer = train_lib.make_trainer(cfg, self.mesh)
+    self.trainer = step_lib.make_trainer(cfg, self.mesh)
     self.state = self.trainer.init() if state is None else state(self.trainer)
     if tokens is None:
       tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1),
@@ -79,7 +79,7 @@ class StepTimer:
     jax.block_until_ready(self.state)  # initialisation runs asynchronously: keep it out of the compile time
     start = time.perf_counter()
     with jax.set_mesh(self.mesh):
-      self.step_fn = train_lib.compile_step(self.trainer, cfg, self.mesh).lower(self.state, self.batch).compile()
+      self.step_fn = step_lib.compile_step(self.trainer, cfg, self.mesh).lower(self.state, self.batch).compile()
     self.compile_s = time.perf_counter() - start
     self.flops_per_token = metrics_lib.flops_per_token(cfg, self.trainer.abstract_state.params)
     self.n_params = sum(x.size for x in jax.tree.leaves(self.state.params))

@@ -16,6 +16,7 @@ import pytest
 from conftest import CONFIGS, load_config
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.errors import RunStopped, UserError
 from jaxseek.input import GlobalBatches
 from jaxseek.metrics import read_jsonl
@@ -90,7 +91,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_zero(tmp_path, run_env, straig
 
 
 def run_steps(cfg, mesh, state, batches, trainer, n):
-  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   out = []
   with jax.set_mesh(mesh):
     for _ in range(n):
@@ -104,7 +105,7 @@ def test_checkpoint_reshards_onto_another_mesh(tmp_path, target):
   base = ["checkpoint.async_save=false", f"train.run_dir={tmp_path}"]
   cfg = load_config("tiny-v3", "mesh.data=1", "mesh.fsdp=8", *base)
   mesh = make_mesh(cfg)
-  trainer, state = train_lib.init_state(cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
   batches = GlobalBatches(cfg, mesh)
   state, _ = run_steps(cfg, mesh, state, batches, trainer, 3)
   ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints")
@@ -115,7 +116,7 @@ def test_checkpoint_reshards_onto_another_mesh(tmp_path, target):
   fsdp, data, tensor = target
   new_cfg = load_config("tiny-v3", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", *base)
   new_mesh = make_mesh(new_cfg)
-  new_trainer = train_lib.make_trainer(new_cfg, new_mesh)
+  new_trainer = step_lib.make_trainer(new_cfg, new_mesh)
   new_batches = GlobalBatches(new_cfg, new_mesh)
   restored = checkpoint_lib.Checkpointer(new_cfg, tmp_path / "checkpoints").restore(
       3, new_trainer.abstract_state, new_trainer.state_shardings, new_batches.iterator)
@@ -135,7 +136,7 @@ def test_nonfinite_loss_stops_and_checkpoints_stay_finite(tmp_path):
   assert records[-1]["nonfinite"] == 1
   ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints", read_only=True)
   mesh = make_mesh(cfg)
-  trainer = train_lib.make_trainer(cfg, mesh)
+  trainer = step_lib.make_trainer(cfg, mesh)
   step = ckpt.latest_step()
   assert step is not None and step < records[-1]["step"] + 1
   restored = ckpt.restore(step, trainer.abstract_state, trainer.state_shardings, None, params_only=True)
@@ -145,22 +146,22 @@ def test_nonfinite_loss_stops_and_checkpoints_stay_finite(tmp_path):
 def test_skip_mode_leaves_the_state_unchanged_on_bad_steps():
   cfg = load_config("tiny-v3", "mesh.data=8", "train.on_nonfinite=skip")
   mesh = make_mesh(cfg)
-  trainer, state = train_lib.init_state(cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
   batch = next(GlobalBatches(cfg, mesh))
   bad = dict(batch, loss_mask=batch["loss_mask"] * jnp.nan)
   before = jax.tree.map(np.asarray, state.params)
   with jax.set_mesh(mesh):
-    state, metrics = train_lib.compile_step(trainer, cfg, mesh)(state, bad)
+    state, metrics = step_lib.compile_step(trainer, cfg, mesh)(state, bad)
   assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1 and int(state.step) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
 
 
 def test_spike_detection():
   window = jnp.asarray([2.0, 2.1, 1.9, 2.0])
-  assert bool(train_lib.is_spike(jnp.asarray(3.0), window, 3.0))
-  assert not bool(train_lib.is_spike(jnp.asarray(2.1), window, 3.0))
-  assert not bool(train_lib.is_spike(jnp.asarray(9.0), window.at[0].set(jnp.nan), 3.0))  # window not full yet
-  assert not bool(train_lib.is_spike(jnp.asarray(9.0), window, None))
+  assert bool(step_lib.is_spike(jnp.asarray(3.0), window, 3.0))
+  assert not bool(step_lib.is_spike(jnp.asarray(2.1), window, 3.0))
+  assert not bool(step_lib.is_spike(jnp.asarray(9.0), window.at[0].set(jnp.nan), 3.0))  # window not full yet
+  assert not bool(step_lib.is_spike(jnp.asarray(9.0), window, None))
 
 
 def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import CONFIGS, ROOT, load_config
 from jaxseek import explore as explore_cli
-from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.errors import UserError
 from jaxseek.input.pipeline import batch_shardings
 from jaxseek.sharding import explore, explore_compile, explore_layout, explore_suggest
@@ -48,7 +48,7 @@ def device_bytes(tree):
                                        ("tiny-dense", "p2d4")])
 def test_state_bytes_per_device_equal_real_sharded_arrays(name, mesh):
   cfg = load_config(name, *mesh_overrides(mesh))
-  trainer = train_lib.make_trainer(cfg, make_mesh(cfg))
+  trainer = step_lib.make_trainer(cfg, make_mesh(cfg))
   real = jax.tree.map(lambda sh, s: jax.device_put(np.zeros(s.shape, s.dtype), sh), trainer.state_shardings,
                       trainer.abstract_state)
   memory = explore.plan(explore.describe(cfg), sizes_of(mesh), explore.hardware("h100-80g"))["memory_per_device"]
@@ -61,7 +61,7 @@ def test_state_bytes_per_device_equal_real_sharded_arrays(name, mesh):
 def test_state_bytes_of_an_initialised_state():
   """The same equality for the state the trainer initialises (jit with out_shardings), not only device_put."""
   cfg = load_config("tiny-v3", *mesh_overrides("f2e2t2"))
-  _, state = train_lib.init_state(cfg, make_mesh(cfg))
+  _, state = step_lib.init_state(cfg, make_mesh(cfg))
   memory = explore.plan(explore.describe(cfg), sizes_of("f2e2t2"), explore.hardware("h100-80g"))["memory_per_device"]
   assert set(device_bytes((state.params, state.biases)).values()) == {memory["parameters"]}
   assert set(device_bytes(state.opt_state).values()) == {memory["optimizer"]}
@@ -122,11 +122,11 @@ def test_compiled_figures_and_collective_counts_match_the_module(tmp_path):
   assert abs(compiled["predicted_temp_bytes"] / compiled["temp_bytes"] - 1) < 0.25
   cfg = load_config("tiny-dense", *overrides)
   mesh = make_mesh(cfg)
-  trainer = train_lib.make_trainer(cfg, mesh)
+  trainer = step_lib.make_trainer(cfg, mesh)
   batch = {k: jax.ShapeDtypeStruct((16, 16), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=s)
            for k, s in batch_shardings(mesh).items()}
   with jax.set_mesh(mesh):
-    text = train_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile().as_text()
+    text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile().as_text()
   reported = {kind: sum(by_axes.values()) for kind, by_axes in compiled["collectives"].items()}
   assert reported == collective_counts(text) and sum(reported.values()) > 10
   # every collective the analytic model implies is in the module, on the axis it names

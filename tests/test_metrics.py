@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROOT, load_config
 from jaxseek import metrics as metrics_lib
-from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.errors import UserError
 from jaxseek.input import pipeline
 from jaxseek.sharding.mesh import make_mesh
@@ -30,11 +30,11 @@ def test_flops_formula_matches_xla_cost_analysis(attention):
                     "model.num_attention_heads=4", "model.head_dim=64", "model.num_hidden_layers=1",
                     "train.seq_len=64", "train.batch_size=8", "mesh.data=1", *attention)
   mesh = make_mesh(cfg, jax.devices()[:1])
-  trainer = train_lib.make_trainer(cfg, mesh)
+  trainer = step_lib.make_trainer(cfg, mesh)
   batch = {k: jax.ShapeDtypeStruct((8, 64), np.float32 if k == "loss_mask" else np.int32, sharding=s)
            for k, s in pipeline.batch_shardings(mesh).items()}
   with jax.set_mesh(mesh):
-    compiled = train_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile()
+    compiled = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile()
   analysis = compiled.cost_analysis()
   xla_flops = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
   formula = metrics_lib.flops_per_token(cfg, trainer.abstract_state.params) * 8 * 64
@@ -46,7 +46,7 @@ def test_flops_count_only_active_experts_and_scale_with_layers(tiny_v3):
   flops = {}
   for k, layers in ((2, 3), (4, 3), (2, 4)):
     cfg = load_config("tiny-v3", f"model.num_experts_per_tok={k}", f"model.num_hidden_layers={layers}")
-    flops[k, layers] = metrics_lib.flops_per_token(cfg, train_lib.make_trainer(cfg, make_mesh(cfg)).abstract_state.params)
+    flops[k, layers] = metrics_lib.flops_per_token(cfg, step_lib.make_trainer(cfg, make_mesh(cfg)).abstract_state.params)
   m = tiny_v3.model
   expert_matmuls = 3 * m.hidden_size * m.moe_intermediate_size  # gate, up, down of one expert
   moe_layers = m.num_hidden_layers - m.first_k_dense_replace

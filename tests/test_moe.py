@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from conftest import load_config
-from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.model.moe import MoE, Routing, route
 from jaxseek.sharding.mesh import make_mesh
@@ -32,13 +32,13 @@ def train_run(name: str) -> dict:
   mesh_overrides = ("mesh.data=1",) if name == "single" else ("mesh.data=-1", *MESHES[name])
   cfg = load_config("tiny-v3", MOE_ONLY, *mesh_overrides)
   mesh = make_mesh(cfg, jax.devices()[:1] if name == "single" else jax.devices())
-  trainer, state = train_lib.init_state(cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
   batches = global_batches(cfg, mesh)
   first = next(batches)
   out = {"cfg": cfg, "trainer": trainer, "losses": [], "norms": [], "biases": [],
          "initial": jax.device_get((state.params, state.biases)), "batch": jax.device_get(first)}
   with jax.set_mesh(mesh):
-    compiled = train_lib.compile_step(trainer, cfg, mesh).lower(state, first).compile()
+    compiled = step_lib.compile_step(trainer, cfg, mesh).lower(state, first).compile()
     out["hlo"] = compiled.as_text()
     batch = first
     for _ in range(STEPS):

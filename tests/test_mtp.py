@@ -8,7 +8,7 @@ from flax import nnx
 
 from conftest import load_config
 from jaxseek import model as model_lib
-from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.sharding.mesh import make_mesh
 
@@ -42,19 +42,19 @@ def test_mtp_mask_stays_inside_documents():
   batch = {"loss_mask": jnp.asarray([[1, 1, 1, 0, 1, 1, 1, 0]], jnp.float32),
            "segment_ids": jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 2]])}
   # depth 1 at i predicts t_{i+2} = target at i+1: needs loss_mask[i+1] and the same document.
-  np.testing.assert_array_equal(train_lib.mtp_mask(batch, 1), [[1, 1, 0, 0, 1, 1, 0, 0]])
-  np.testing.assert_array_equal(train_lib.mtp_mask(batch, 2), [[1, 0, 0, 0, 1, 0, 0, 0]])
+  np.testing.assert_array_equal(step_lib.mtp_mask(batch, 1), [[1, 1, 0, 0, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(step_lib.mtp_mask(batch, 2), [[1, 0, 0, 0, 1, 0, 0, 0]])
 
 
 def one_step(weight):
   cfg = load_config("tiny-v3", "model.num_nextn_predict_layers=1", f"train.mtp_loss_weight={weight}",
                     "model.aux_loss_alpha=0", "mesh.data=1")
   mesh = make_mesh(cfg, jax.devices()[:1])
-  trainer, state = train_lib.init_state(cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
   batch = next(global_batches(cfg, mesh))
   params = jax.tree.map(jnp.copy, state.params)  # the step donates its input state
   with jax.set_mesh(mesh):
-    new_state, metrics = train_lib.compile_step(trainer, cfg, mesh)(state, batch)
+    new_state, metrics = step_lib.compile_step(trainer, cfg, mesh)(state, batch)
   return cfg, trainer, params, batch, metrics, new_state
 
 

@@ -10,6 +10,7 @@ import pytest
 from conftest import load_config
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.errors import UserError
 from jaxseek.input import GlobalBatches, global_batches
 from jaxseek.sharding import pipeline
@@ -21,8 +22,8 @@ STEPS = 5
 def run(name, overrides, devices=None, steps=STEPS):
   cfg = load_config(name, *overrides)
   mesh = make_mesh(cfg, devices)
-  trainer, state = train_lib.init_state(cfg, mesh)
-  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   batches = global_batches(cfg, mesh)
   out = []
   with jax.set_mesh(mesh):
@@ -68,10 +69,10 @@ def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
 def compiled_text(*overrides):
   cfg = load_config("tiny-v3", *overrides)
   mesh = make_mesh(cfg)
-  trainer = train_lib.make_trainer(cfg, mesh)
+  trainer = step_lib.make_trainer(cfg, mesh)
   batches = global_batches(cfg, mesh)
   with jax.set_mesh(mesh):
-    return train_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, next(batches)).compile().as_text()
+    return step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, next(batches)).compile().as_text()
 
 
 def test_compiled_step_passes_activations_with_collective_permute():
@@ -105,7 +106,7 @@ def test_circular_storage_order_and_bubble():
 
 def test_layer_stacks_are_split_into_stages():
   cfg = load_config("tiny-v3", "mesh.pipeline=2", "mesh.data=4", "train.microbatches=4")
-  trainer = train_lib.make_trainer(cfg, make_mesh(cfg))
+  trainer = step_lib.make_trainer(cfg, make_mesh(cfg))
   moe_spec = jax.tree.leaves(trainer.state_shardings.params["moe_layers"])[0].spec
   dense_spec = jax.tree.leaves(trainer.state_shardings.params["dense_layers"])[0].spec
   assert moe_spec[0] == "pipeline"  # 2 MoE layers: one per stage
@@ -119,10 +120,10 @@ def test_layer_stacks_are_split_into_stages():
 def test_pipeline_that_divides_no_stack_is_refused():
   cfg = load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")
   with pytest.raises(UserError, match="mesh.pipeline: 4 divides neither layer stack"):
-    train_lib.make_trainer(cfg, make_mesh(cfg))
+    step_lib.make_trainer(cfg, make_mesh(cfg))
   cfg = load_config("tiny-v3", "mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2")  # 2 MoE layers
   with pytest.raises(UserError, match="train.pipeline_repeats: 2 repeats x 2 stages divides neither layer stack"):
-    train_lib.make_trainer(cfg, make_mesh(cfg))
+    step_lib.make_trainer(cfg, make_mesh(cfg))
   with pytest.raises(UserError, match="train.pipeline_repeats: 0 must be"):
     load_config("tiny-v3", "train.pipeline_repeats=0")
 
@@ -139,9 +140,9 @@ def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, af
           "model.num_hidden_layers=5")
   cfg = load_config("tiny-v3", *before, *base)
   mesh = make_mesh(cfg)
-  trainer, state = train_lib.init_state(cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
   batches = GlobalBatches(cfg, mesh)
-  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   with jax.set_mesh(mesh):
     for _ in range(2):
       state, _ = step_fn(state, next(batches))
@@ -156,11 +157,11 @@ def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, af
 
   new_cfg = load_config("tiny-v3", *after, *base)
   new_mesh = make_mesh(new_cfg)
-  new_trainer = train_lib.make_trainer(new_cfg, new_mesh)
+  new_trainer = step_lib.make_trainer(new_cfg, new_mesh)
   new_batches = GlobalBatches(new_cfg, new_mesh)
   restored = checkpoint_lib.Checkpointer(new_cfg, tmp_path / "checkpoints").restore(
       2, new_trainer.abstract_state, new_trainer.state_shardings, new_batches.iterator)
-  new_step = train_lib.compile_step(new_trainer, new_cfg, new_mesh)
+  new_step = step_lib.compile_step(new_trainer, new_cfg, new_mesh)
   got = []
   with jax.set_mesh(new_mesh):
     for _ in range(2):
@@ -178,7 +179,7 @@ def test_export_of_a_circular_checkpoint_is_in_layer_order(tmp_path):
   base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "model.num_hidden_layers=5")
   cfg = load_config("tiny-v3", *P2R2, *base, "train.microbatches=4")
   mesh = make_mesh(cfg)
-  trainer, state = train_lib.init_state(cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
   train_lib.prepare_run_dir(cfg)
   ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints")
   ckpt.save(0, state, None)
@@ -186,7 +187,7 @@ def test_export_of_a_circular_checkpoint_is_in_layer_order(tmp_path):
   stored = np.asarray(state.params["moe_layers"]["blocks"]["mlp"]["w_router_DE"][...])
 
   flat_cfg = load_config("tiny-v3", "mesh.data=1", *base)
-  _, flat = train_lib.init_state(flat_cfg, make_mesh(flat_cfg, jax.devices()[:1]))
+  _, flat = step_lib.init_state(flat_cfg, make_mesh(flat_cfg, jax.devices()[:1]))
   model, _, _ = pretrained.from_checkpoint(tmp_path)
   got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   want = dict(nnx.to_flat_state(flat.params))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.config import MESH_AXES
 from jaxseek.errors import UserError
 from jaxseek.input import global_batches
@@ -20,8 +20,8 @@ def train(name, overrides, steps=5, devices=None, state_fn=None):
   """Losses per step and the metrics of every step; `state_fn(step, state)` may change the state first."""
   cfg = load_config(name, *overrides)
   mesh = make_mesh(cfg, devices)
-  trainer, state = train_lib.init_state(cfg, mesh)
-  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   batches = global_batches(cfg, mesh)
   records = []
   with jax.set_mesh(mesh):
@@ -127,7 +127,7 @@ def test_remat_policies_give_identical_losses():
 def test_offload_is_refused_on_cpu():
   cfg = load_config("tiny-v3", "train.remat=offload")
   with pytest.raises(UserError, match="train.remat: offload .* cpu backend"):
-    train_lib.make_trainer(cfg, make_mesh(cfg))
+    step_lib.make_trainer(cfg, make_mesh(cfg))
 
 
 @pytest.mark.parametrize("k", [384, 200])  # 200: a partial tile and block, zero-padded
@@ -226,10 +226,10 @@ def data_axis_collectives(*overrides):
 
   cfg = load_config("tiny-dense", "mesh.data=2", "mesh.tensor=2", *overrides)
   mesh = make_mesh(cfg, jax.devices()[:4])
-  trainer = train_lib.make_trainer(cfg, mesh)
+  trainer = step_lib.make_trainer(cfg, mesh)
   batch = next(global_batches(cfg, mesh))
   with jax.set_mesh(mesh):
-    text = train_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile().as_text()
+    text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile().as_text()
   sizes = tuple(mesh.shape[a] for a in MESH_AXES)
   out = []
   for line in text.splitlines():
@@ -246,7 +246,7 @@ def test_compression_moves_fewer_bytes_over_data(method, ratio):
   types: each device's whole gradient block is gathered once, (n-1) x 1 (2) bytes per element against the
   float32 all-reduce's 2(n-1)/n x 4, so 4x (2x) fewer bytes on the wire."""
   cfg = load_config("tiny-dense", "mesh.data=2", "mesh.tensor=2")
-  trainer = train_lib.make_trainer(cfg, make_mesh(cfg, jax.devices()[:4]))
+  trainer = step_lib.make_trainer(cfg, make_mesh(cfg, jax.devices()[:4]))
   local = sum(int(np.prod(s.shard_shape(x.shape))) for s, x in zip(jax.tree.leaves(trainer.state_shardings.params),
                                                                   jax.tree.leaves(trainer.abstract_state.params)))
   packed = data_axis_collectives(f"train.grad_compression={method}")
@@ -268,11 +268,11 @@ def test_compression_moves_fewer_bytes_over_data(method, ratio):
 
 def test_grad_compression_refused_for_moe_and_pipeline():
   with pytest.raises(UserError, match="train.grad_compression: supported for dense layers only"):
-    train_lib.make_trainer(load_config("tiny-v3", "train.grad_compression=int8", "mesh.data=8"),
+    step_lib.make_trainer(load_config("tiny-v3", "train.grad_compression=int8", "mesh.data=8"),
                            make_mesh(load_config("tiny-v3", "mesh.data=8")))
 
 
 def test_optimizer_state_in_host_memory_is_refused_on_cpu():
   cfg = load_config("tiny-v3", "train.optimizer_memory=host")
   with pytest.raises(UserError, match="train.optimizer_memory: host .* cpu backend does not have"):
-    train_lib.make_trainer(cfg, make_mesh(cfg))
+    step_lib.make_trainer(cfg, make_mesh(cfg))

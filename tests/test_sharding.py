@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from jaxseek import train as train_lib
+from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.sharding.mesh import make_mesh
 
@@ -22,8 +22,8 @@ def mesh_overrides(data, fsdp, tensor):
 def run_steps(cfg, devices, steps=3):
   """Losses, gradient norms and final MoE biases of `steps` training steps on `devices`."""
   mesh = make_mesh(cfg, devices)
-  trainer, state = train_lib.init_state(cfg, mesh)
-  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   batches = global_batches(cfg, mesh)
   losses, norms = [], []
   with jax.set_mesh(mesh):
@@ -64,8 +64,8 @@ def test_microbatch_accumulation_equals_full_batch():
 
 def compiled_text(cfg):
   mesh = make_mesh(cfg)
-  trainer, state = train_lib.init_state(cfg, mesh)
-  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   batch = next(global_batches(cfg, mesh))
   with jax.set_mesh(mesh):
     return step_fn.lower(state, batch).compile().as_text()
@@ -103,7 +103,7 @@ def test_tensor_parallel_all_reduces_partial_sums_and_data_parallel_gathers_noth
 
 def test_step_compiles_once(monkeypatch):
   traces = []
-  original = train_lib.train_step
+  original = step_lib.train_step
 
   def counting(*args):
     traces.append(1)
@@ -112,8 +112,8 @@ def test_step_compiles_once(monkeypatch):
   monkeypatch.setattr(train_lib, "train_step", counting)
   cfg = load_config("tiny-v3", *mesh_overrides(2, 2, 2))
   mesh = make_mesh(cfg)
-  trainer, state = train_lib.init_state(cfg, mesh)
-  step_fn = train_lib.compile_step(trainer, cfg, mesh)
+  trainer, state = step_lib.init_state(cfg, mesh)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   batches = global_batches(cfg, mesh)
   with jax.set_mesh(mesh):
     for _ in range(4):

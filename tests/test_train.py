@@ -8,7 +8,8 @@ from flax import nnx
 from conftest import CONFIGS, load_config
 from jaxseek import config as config_lib
 from jaxseek import optim
-from jaxseek.train import run, update_bias
+from jaxseek.step import update_bias
+from jaxseek.train import run
 
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "tflops_per_device", "mfu"}
 

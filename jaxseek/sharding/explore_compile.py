@@ -56,7 +56,7 @@ def expected_collectives(communication: dict[str, list[dict[str, Any]]]) -> dict
 
 def compile_train_step(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
   """Compiles the train step on the first prod(sizes) devices; returns XLA's memory figures and collectives."""
-  from jaxseek import train as train_lib
+  from jaxseek import step as step_lib
   from jaxseek.sharding import mesh as mesh_lib
 
   n = int(np.prod(list(sizes.values())))
@@ -64,8 +64,8 @@ def compile_train_step(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
     raise UserError(f"--compile needs {n} devices but JAX sees {jax.device_count()}; on a CPU machine pass "
                     f"mesh.num_cpu_devices={n} (simulated devices) or use a smaller mesh")
   mesh = mesh_lib.make_mesh(cfg, jax.devices()[:n])
-  trainer = train_lib.make_trainer(cfg, mesh)
-  step = train_lib.compile_step(trainer, cfg, mesh)
+  trainer = step_lib.make_trainer(cfg, mesh)
+  step = step_lib.compile_step(trainer, cfg, mesh)
   shape = (cfg.train.batch_size, cfg.train.seq_len)
   dtypes = {"loss_mask": jnp.float32}
   batch = {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=s)

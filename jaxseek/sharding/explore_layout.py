@@ -70,9 +70,9 @@ class Model:
 def describe(cfg: Config) -> Model:
   """Builds the train state abstractly (nothing allocated) and records every leaf with its placement."""
   from jaxseek import metrics as metrics_lib
-  from jaxseek import train as train_lib
+  from jaxseek import step as step_lib
 
-  trainer = train_lib.make_trainer(cfg, one_device_mesh())
+  trainer = step_lib.make_trainer(cfg, one_device_mesh())
   state = trainer.abstract_state
   leaves = []
   for kind in ("params", "biases", "opt_state"):

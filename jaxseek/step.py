@@ -1,0 +1,325 @@
+"""The train step: the train state and its shardings, initialisation already sharded, and one jitted step
+(gradients, optionally accumulated, compressed over data, or loss-scaled; the optimiser; MoE bias updates).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxseek import config as config_lib
+from jaxseek import input as input_lib
+from jaxseek import model as model_lib
+from jaxseek import optim
+from jaxseek.errors import UserError
+from jaxseek.model import remat as remat_lib
+from jaxseek.model.transformer import shift_left
+from jaxseek.sharding import compression
+from jaxseek.sharding import pipeline as pipeline_lib
+from jaxseek.sharding import rules
+from jaxseek.sharding.rules import param_spec, shard, state_rules
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: nnx.State  # trained by the optimiser
+  biases: nnx.State  # MoE correction biases: updated from expert loads, never by the optimiser
+  opt_state: Any
+  loss_window: jax.Array  # the last train.spike_window accepted losses (NaN until filled), for spike skipping
+  loss_scale: jax.Array  # float16 compute: the dynamic loss scale (1 otherwise)
+  good_steps: jax.Array  # float16 compute: steps since the scale last changed without an overflow
+  grad_residual: Any  # train.grad_compression: each data shard's error-feedback residual [data, ...] (else {})
+
+
+@flax.struct.dataclass
+class Trainer:
+  """The static parts of training: the model's graph, the optimiser, the shardings of state and batch."""
+
+  graphdef: Any = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  state_shardings: Any = flax.struct.field(pytree_node=False)
+  abstract_state: Any = flax.struct.field(pytree_node=False)
+  init: Callable[[], TrainState] = flax.struct.field(pytree_node=False)  # jitted, returns the sharded state
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3, optimizer_memory: str = "device") -> Any:
+  """Each Variable (parameters and the optimiser moments that mirror them) is sharded by its logical axes under
+  the rules of its part of the state (`rules.state_rules`: ZeRO-3 or ZeRO-1); everything else (step, counters)
+  is replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def part(tree, kind):
+    rules = state_rules(kind, zero)
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"], x.shape, mesh, rules))
+        if _is_variable(x) else replicated, tree, is_leaf=_is_variable)
+
+  out = jax.tree.map(lambda _: replicated, abstract_state, is_leaf=_is_variable)
+  out = out.replace(**{kind: part(getattr(abstract_state, kind), kind) for kind in ("params", "biases", "opt_state")})
+  if optimizer_memory == "host":  # brought to the device for the update, written back after (train_step)
+    out = out.replace(opt_state=jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), out.opt_state))
+  residual = jax.tree.map(  # one residual per data shard, each placed as its parameter
+      lambda x: NamedSharding(mesh, PartitionSpec(compression.AXIS, *param_spec(
+          x.get_metadata()["logical_axes"], x.shape[1:], mesh, state_rules("params", zero)))),
+      abstract_state.grad_residual, is_leaf=_is_variable)
+  return out.replace(grad_residual=residual)
+
+
+def compressed(cfg: config_lib.Config, mesh: Mesh) -> bool:
+  """Whether the data-axis gradient sum runs compressed (sharding/compression.py)."""
+  return cfg.train.grad_compression != "none" and mesh.shape["data"] > 1
+
+
+def check_setup(cfg: config_lib.Config, mesh: Mesh) -> None:
+  """Settings that depend on the mesh or the backend: refused with one line before anything is written."""
+  pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
+  if cfg.train.grad_compression != "none" and mesh.shape["pipeline"] > 1:
+    raise UserError("config key train.grad_compression: not supported together with mesh.pipeline > 1 yet; "
+                    "set train.grad_compression=none or mesh.pipeline=1")
+  m = cfg.model
+  if cfg.train.grad_compression != "none" and m.is_moe and (m.num_moe_layers or m.num_nextn_predict_layers):
+    raise UserError("config key train.grad_compression: supported for dense layers only so far (the MoE layer's "
+                    "expert dispatch does not run inside the per-data-shard gradient); set it to none for MoE "
+                    "models")
+  platform = mesh.devices.flat[0].platform
+  why = remat_lib.check_backend(cfg.train.remat, platform)
+  if why:
+    raise UserError(why)
+  if cfg.train.optimizer_memory == "host" and platform == "cpu":
+    raise UserError("config key train.optimizer_memory: host keeps the optimiser state in pinned host memory, "
+                    "which the cpu backend does not have; use device on cpu")
+
+
+def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
+  """eval_shape → shardings → jit(init, out_shardings): nothing is allocated until `trainer.init()`, and then the
+  full model never exists unsharded on one device."""
+
+  check_setup(cfg, mesh)
+
+  def create() -> nnx.Module:
+    return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
+                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches,
+                           pipeline_repeats=cfg.train.pipeline_repeats, fp8=cfg.train.fp8)
+
+  with jax.set_mesh(mesh):
+    graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
+  tx = optim.make(cfg.optim, cfg.train.steps, abstract_params)
+
+  storage = pipeline_lib.layout(cfg, mesh.shape["pipeline"])
+  stacks = pipeline_lib.stack_sizes(cfg.model)
+
+  def init() -> TrainState:
+    _, params, biases = nnx.split(create(), nnx.Param, ...)
+    # the same model as on one device, its layers in the storage order the pipeline schedule reads
+    params, biases = pipeline_lib.reorder((params, biases), stacks, (1, 1), storage)
+    scale = cfg.train.loss_scale_init if cfg.train.compute_dtype == "float16" else 1.0
+    residual = {} if not compressed(cfg, mesh) else jax.tree.map(
+        lambda p: jnp.zeros((mesh.shape["data"], *p.shape), jnp.float32), params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params),
+                      loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32),
+                      loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                      grad_residual=residual)
+
+  with jax.set_mesh(mesh):
+    abstract_state = jax.eval_shape(init)
+    shardings = state_shardings(abstract_state, mesh, cfg.train.zero, cfg.train.optimizer_memory)
+  jitted = jax.jit(init, out_shardings=shardings)
+
+  def init_on_mesh() -> TrainState:
+    with jax.set_mesh(mesh):
+      return jitted()
+
+  return Trainer(graphdef, tx, shardings, abstract_state, init_on_mesh)
+
+
+def init_state(cfg: config_lib.Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
+  """The trainer and a freshly initialised, sharded train state."""
+  trainer = make_trainer(cfg, mesh)
+  return trainer, trainer.init()
+
+
+def _split_microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+  """[B, ...] → [n, B/n, ...] taking rows j, j+n, j+2n, ... for microbatch j, so every microbatch keeps
+  rows on every batch shard (a contiguous split would put microbatch 0 on the first devices only)."""
+  return {k: jnp.swapaxes(v.reshape(v.shape[0] // n, n, *v.shape[1:]), 0, 1) for k, v in batch.items()}
+
+
+def mtp_mask(batch: dict[str, jax.Array], k: int) -> jax.Array:
+  """Where depth k's target t_{i+k+1} exists: the main target at i+k counts and i+k is in i's document."""
+  mask_BT = shift_left(batch["loss_mask"], k)
+  if "segment_ids" in batch:
+    mask_BT = mask_BT * (shift_left(batch["segment_ids"], k, fill=-1) == batch["segment_ids"])
+  return mask_BT
+
+
+def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
+               batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimiser step over the global batch, accumulated over `train.microbatches`.
+
+  objective = CE + λ/depth · Σ_k CE_k (multi-token prediction) + aux_loss_alpha · Σ_layers balance loss,
+  each CE a sum over the whole batch divided by its token count, so accumulation gives the full-batch gradient.
+
+  With float16 compute the objective is multiplied by the dynamic loss scale before differentiation and the
+  gradients divided by it after; a step whose gradients overflow (the loss itself finite) is skipped and the
+  scale halved; after `loss_scale_window` steps without overflow it doubles.
+  """
+  # With a pipeline the microbatches flow through the stages inside one forward pass instead.
+  n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
+  depth = cfg.model.num_nextn_predict_layers
+  n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+  n_mtp = [jnp.maximum(mtp_mask(batch, k).sum(), 1.0) for k in range(1, depth + 1)]
+  alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
+  # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
+  data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
+
+  def loss_fn(params, mb):
+    model = nnx.merge(trainer.graphdef, params, state.biases)
+    logits_BTV, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"))
+    ce_sum = _ce_sum(logits_BTV, mb["targets"], mb["loss_mask"])
+    mtp_sums = jnp.stack([_ce_sum(aux["mtp_logits"][k - 1], shift_left(mb["targets"], k), mtp_mask(mb, k))
+                          for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
+    balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
+    loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
+    objective = ce_sum / n_tokens + alpha * balance / (n_micro * data_shards)  # balance: a mean over rows
+    if depth:
+      objective += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
+    return objective * state.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def gradients(params, batch):
+    """(grads, ce_sum, mtp_sums, balance, loads) of `batch`, accumulated over the microbatches."""
+    if n_micro == 1:
+      (_, aux), grads = grad_fn(params, batch)
+      return (grads, *aux)
+
+    def accumulate(carry, mb):
+      mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
+      (_, aux), g = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, (g, *aux)), None
+
+    first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
+    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, first)
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (params, *aux_shapes))
+    (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, n_micro))
+    return grads, ce_sum, mtp_sums, balance / n_micro, loads
+
+  residual = state.grad_residual
+  if not jax.tree.leaves(residual):
+    grads, ce_sum, mtp_sums, balance, loads = gradients(state.params, batch)
+  else:  # each data shard's gradient, summed over `data` compressed (sharding/compression.py)
+    shards = data_shards
+    split = jax.tree.map(lambda v: shard(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]),
+                                         ("data_shards", "batch")), batch)
+    with rules.reserved(compression.AXIS):  # inside, "batch" no longer names the data axis: the vmap holds it
+      per_shard = jax.vmap(gradients, in_axes=(None, 0), spmd_axis_name=compression.AXIS)(state.params, split)
+    grads_S, ce_sum, mtp_sums, balance, loads = per_shard
+    specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.grad_residual)
+    grads, residual = compression.reduce(grads_S, residual, cfg.train.grad_compression, specs)
+    # sums over the shards; the balance term is a mean over rows, each shard's over 1/shards of them
+    ce_sum, mtp_sums, loads = jax.tree.map(lambda a: a.sum(0), (ce_sum, mtp_sums, loads))
+    balance = balance.mean(0)
+  grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+  opt_before = state.opt_state
+  if cfg.train.optimizer_memory == "host":
+    opt_before = jax.device_put(opt_before, jax.tree.map(lambda s: s.with_memory_kind("device"),
+                                                         trainer.state_shardings.opt_state))
+  updates, opt_state = trainer.tx.update(grads, opt_before, state.params)
+  params = optax.apply_updates(state.params, updates)
+  biases = update_biases(state.biases, loads, cfg.optim.bias_update_rate)
+  loss, grad_norm = ce_sum / n_tokens, optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  accept = finite & ~is_spike(loss, state.loss_window, cfg.train.spike_sigma)
+  dynamic = cfg.train.compute_dtype == "float16"
+  overflow = dynamic & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)  # the scale's fault, not the model's
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
+             "nonfinite": (~finite & ~overflow).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
+  loss_scale, good_steps = state.loss_scale, state.good_steps
+  if dynamic:
+    grow = (state.good_steps + 1 >= cfg.train.loss_scale_window) & ~overflow
+    loss_scale = jnp.where(overflow, loss_scale / 2, jnp.where(grow, loss_scale * 2, loss_scale))
+    good_steps = jnp.where(overflow | grow, 0, state.good_steps + 1)
+    metrics.update(loss_scale=state.loss_scale, overflow=overflow.astype(jnp.int32))
+  if depth:
+    metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
+  order = pipeline_lib.storage_order(cfg.model.num_moe_layers, pipeline_lib.stages(), cfg.train.pipeline_repeats)
+  metrics.update(_moe_metrics(loads, balance, biases, np.argsort(order)))
+  # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
+  window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
+  new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
+                         opt_state=keep(opt_state, opt_before), loss_window=window, loss_scale=loss_scale,
+                         good_steps=good_steps, grad_residual=keep(residual, state.grad_residual))
+  return new_state, metrics
+
+
+def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:
+  """loss > mean + sigma · std of a full window of recent accepted losses (never while the window fills)."""
+  if sigma is None:
+    return jnp.zeros((), bool)
+  full = ~jnp.isnan(window).any()
+  return full & (loss > jnp.nanmean(window) + sigma * jnp.nanstd(window))
+
+
+def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.State,
+                 logical: np.ndarray) -> dict[str, jax.Array]:
+  """Expert balance per step: load max/mean (mean, worst, per layer), dropped fraction, balance loss, bias range.
+  Per-layer values come in the MoE stack's storage order; `logical` indexes them into layer order."""
+  metrics = {}
+  if "load" in loads:
+    load_LE = loads["load"]
+    max_over_mean_L = load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)
+    metrics["balance_loss"] = balance
+    metrics["moe_load_max_over_mean"] = max_over_mean_L.mean()
+    metrics["moe_load_max_over_mean_worst"] = max_over_mean_L.max()
+    metrics["moe_dropped_fraction"] = loads["dropped"].sum() / jnp.maximum(load_LE.sum(), 1.0)
+    # one value per MoE layer (lists in metrics.jsonl)
+    metrics["moe_load_max_over_mean_by_layer"] = max_over_mean_L[logical]
+    metrics["moe_dropped_fraction_by_layer"] = (loads["dropped"] / jnp.maximum(load_LE.sum(-1), 1.0))[logical]
+  if jax.tree.leaves(biases):
+    ranges = [b.max(-1) - b.min(-1) for b in jax.tree.leaves(biases)]
+    metrics["moe_bias_range"] = jnp.stack([r.max() for r in ranges]).max()
+    by_layer = [r for r in ranges if r.ndim == 1]  # the MoE stack's [layers] (MTP biases give scalars)
+    if by_layer:
+      metrics["moe_bias_range_by_layer"] = by_layer[0][logical]
+  return metrics
+
+
+def _ce_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  return (optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT) * mask_BT).sum()
+
+
+def update_biases(biases: nnx.State, loads: dict[str, jax.Array], rate: float) -> nnx.State:
+  """Applies `update_bias` to every MoE correction bias with its own layer's global-batch loads."""
+
+  def one(path, bias):
+    if path[0].key == "mtp_layers":  # MTP blocks: loads per depth
+      return update_bias(bias, loads["mtp_load"][path[1].key], rate)
+    return update_bias(bias, loads["load"], rate)
+
+  return jax.tree_util.tree_map_with_path(one, biases)
+
+
+def update_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free balancing (V3 §2.1.2): b += rate · sign(mean load − load), loads over the global batch."""
+  return bias_LE + rate * jnp.sign(load_LE.mean(-1, keepdims=True) - load_LE)
+
+
+def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
+  """The jitted step: state and batch in their shardings, state donated."""
+  step = functools.partial(train_step, trainer, cfg)
+  return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.pipeline.batch_shardings(mesh)),
+                 out_shardings=(trainer.state_shardings, None), donate_argnums=0)
