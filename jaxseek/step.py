@@ -220,18 +220,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   residual = state.grad_residual
   if not jax.tree.leaves(residual):
     grads, ce_sum, mtp_sums, balance, loads = gradients(state.params, batch)
-  else:  # each data shard's gradient, summed over `data` compressed (sharding/compression.py)
-    shards = data_shards
-    split = jax.tree.map(lambda v: shard(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]),
-                                         ("data_shards", "batch")), batch)
-    with rules.reserved(compression.AXIS):  # inside, "batch" no longer names the data axis: the vmap holds it
-      per_shard = jax.vmap(gradients, in_axes=(None, 0), spmd_axis_name=compression.AXIS)(state.params, split)
-    grads_S, ce_sum, mtp_sums, balance, loads = per_shard
-    specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.grad_residual)
-    grads, residual = compression.reduce(grads_S, residual, cfg.train.grad_compression, specs)
-    # sums over the shards; the balance term is a mean over rows, each shard's over 1/shards of them
-    ce_sum, mtp_sums, loads = jax.tree.map(lambda a: a.sum(0), (ce_sum, mtp_sums, loads))
-    balance = balance.mean(0)
+  else:
+    grads, ce_sum, mtp_sums, balance, loads, residual = _compressed_sum(gradients, trainer, cfg, state, batch)
   grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
   opt_before = state.opt_state
   if cfg.train.optimizer_memory == "host":
@@ -249,9 +239,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
              "nonfinite": (~finite & ~overflow).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
   loss_scale, good_steps = state.loss_scale, state.good_steps
   if dynamic:
-    grow = (state.good_steps + 1 >= cfg.train.loss_scale_window) & ~overflow
-    loss_scale = jnp.where(overflow, loss_scale / 2, jnp.where(grow, loss_scale * 2, loss_scale))
-    good_steps = jnp.where(overflow | grow, 0, state.good_steps + 1)
+    loss_scale, good_steps = _next_loss_scale(state, overflow, cfg.train.loss_scale_window)
     metrics.update(loss_scale=state.loss_scale, overflow=overflow.astype(jnp.int32))
   if depth:
     metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
@@ -264,6 +252,30 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                          opt_state=keep(opt_state, opt_before), loss_window=window, loss_scale=loss_scale,
                          good_steps=good_steps, grad_residual=keep(residual, state.grad_residual))
   return new_state, metrics
+
+
+def _compressed_sum(gradients: Callable, trainer: Trainer, cfg: config_lib.Config, state: TrainState,
+                    batch: dict[str, jax.Array]):
+  """`gradients` of each data shard's rows (a vmap over the shards), summed over `data` compressed with error
+  feedback (sharding/compression.py). Returns gradients(...)'s values for the whole batch and the new residual."""
+  shards = jax.tree.leaves(state.grad_residual)[0].shape[0]
+  split = jax.tree.map(lambda v: shard(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]),
+                                       ("data_shards", "batch")), batch)
+  with rules.reserved(compression.AXIS):  # inside, "batch" no longer names the data axis: the vmap holds it
+    grads_S, ce_sum, mtp_sums, balance, loads = jax.vmap(
+        gradients, in_axes=(None, 0), spmd_axis_name=compression.AXIS)(state.params, split)
+  specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.grad_residual)
+  grads, residual = compression.reduce(grads_S, state.grad_residual, cfg.train.grad_compression, specs)
+  # sums over the shards; the balance term is a mean over rows, each shard's over 1/shards of them
+  ce_sum, mtp_sums, loads = jax.tree.map(lambda a: a.sum(0), (ce_sum, mtp_sums, loads))
+  return grads, ce_sum, mtp_sums, balance.mean(0), loads, residual
+
+
+def _next_loss_scale(state: TrainState, overflow: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+  """float16: halve the scale on overflow; double it after `window` steps without one."""
+  grow = (state.good_steps + 1 >= window) & ~overflow
+  scale = jnp.where(overflow, state.loss_scale / 2, jnp.where(grow, state.loss_scale * 2, state.loss_scale))
+  return scale, jnp.where(overflow | grow, 0, state.good_steps + 1)
 
 
 def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:
