@@ -109,7 +109,7 @@ def test_step_compiles_once(monkeypatch):
     traces.append(1)
     return original(*args)
 
-  monkeypatch.setattr(train_lib, "train_step", counting)
+  monkeypatch.setattr(step_lib, "train_step", counting)
   cfg = load_config("tiny-v3", *mesh_overrides(2, 2, 2))
   mesh = make_mesh(cfg)
   trainer, state = step_lib.init_state(cfg, mesh)

@@ -73,9 +73,7 @@ class Stack(nnx.Module):
     side = (positions_BT, segment_ids_BT, valid_BT)
     repeats = pipeline.stack_repeats(self.num_layers, pipeline.stages(), self.pipeline_repeats)
     if repeats:
-      # the schedule's output is on every stage; from here on each stage takes its share of the batch again
-      x_BTD, aux = pipeline.run(body, state, x_BTD, side, self.microbatches, repeats)
-      return shard(x_BTD, ACT_BTD), aux
+      return pipeline.run(body, state, x_BTD, side, self.microbatches, repeats)
     return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state)
 
 

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseek.config import Config
 from jaxseek.errors import UserError
+from jaxseek.sharding.rules import shard
 
 AXIS = "pipeline"
 
@@ -219,6 +220,9 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
 
   out_MbTD, aux = jax.shard_map(per_stage, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P(AXIS)),
                                 axis_names={AXIS}, check_vma=False)(layer_state, x_MbTD, side_M)
+  # the output is on every stage; from here on each stage takes its share of the batch again (rows of every
+  # microbatch split over pipeline × data × …, which after merging is the batch's own split)
+  out_MbTD = shard(out_MbTD, (None, "batch", "length", "embed"))
   return merge_microbatches(out_MbTD), aux
 
 
