@@ -132,8 +132,8 @@ P2, P2R2, FLAT = ("mesh.pipeline=2", "mesh.data=4"), ("mesh.pipeline=2", "mesh.d
     ("mesh.data=4", "mesh.tensor=2")
 
 
-@pytest.mark.parametrize("before, after", [(P2, FLAT), (FLAT, P2), (P2R2, FLAT), (FLAT, P2R2), (P2R2, P2)],
-                         ids=["p2-to-p1", "p1-to-p2", "p2r2-to-p1", "p1-to-p2r2", "p2r2-to-p2"])
+@pytest.mark.parametrize("before, after", [(P2, FLAT), (P2R2, FLAT), (FLAT, P2R2)],
+                         ids=["p2-to-p1", "p2r2-to-p1", "p1-to-p2r2"])
 def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, after):
   """The next losses after a restore on another pipeline layout equal those of the run that saved."""
   base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "train.microbatches=4",

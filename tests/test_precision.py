@@ -95,8 +95,7 @@ def test_float16_overflow_halves_the_scale_and_skips_the_step():
   assert abs(f16_loss[-5:].mean() / bf16_loss[-5:].mean() - 1) < 0.05
 
 
-@pytest.mark.parametrize("mesh", [("mesh.fsdp=4", "mesh.data=2"), ("mesh.fsdp=2", "mesh.data=2", "mesh.tensor=2")],
-                         ids=["f4d2", "f2d2t2"])
+@pytest.mark.parametrize("mesh", [("mesh.fsdp=2", "mesh.data=2", "mesh.tensor=2")], ids=["f2d2t2"])
 def test_zero1_equals_zero3_and_holds_what_the_explorer_predicts(mesh):
   z3, state3, trainer3 = train("tiny-v3", mesh)
   z1, state1, trainer1 = train("tiny-v3", (*mesh, "train.zero=1"))
@@ -118,7 +117,7 @@ def test_zero1_equals_zero3_and_holds_what_the_explorer_predicts(mesh):
 
 def test_remat_policies_give_identical_losses():
   runs = {policy: losses(train("tiny-v3", ("mesh.data=2", "mesh.tensor=2", "mesh.fsdp=2",
-                                           f"train.remat={policy}"))[0])
+                                           f"train.remat={policy}"), steps=3)[0])
           for policy in ("none", "save_dots", "minimal", "full")}
   for policy, got in runs.items():
     np.testing.assert_allclose(got, runs["none"], rtol=1e-6, err_msg=policy)
