@@ -111,14 +111,19 @@ class MLA(nnx.Module):
       qr_BTNR = jnp.einsum("BTD,DNR->BTNR", x_BTD, w(self.w_qr_DNR))
     ckv_BTC = checkpoint_name(self.kv_norm(jnp.einsum("BTD,DC->BTC", x_BTD, w(self.w_dkv_DC))), "kv_latent")
     kr_BT1R = jnp.einsum("BTD,DR->BTR", x_BTD, w(self.w_kr_DR))[:, :, None, :]
-    k_BTNH = jnp.einsum("BTC,CNH->BTNH", ckv_BTC, w(self.w_uk_CNH))
-    v_BTNP = shard(jnp.einsum("BTC,CNP->BTNP", ckv_BTC, w(self.w_uv_CNP)), ("batch", "length", "heads", None))
     qr_BTNR = apply_rope(qr_BTNR, positions_BT, self.inv_freq, self.rope_factor)
     kr_BT1R = apply_rope(kr_BT1R, positions_BT, self.inv_freq, self.rope_factor)
-    kr_BTNR = jnp.broadcast_to(kr_BT1R, (*k_BTNH.shape[:3], kr_BT1R.shape[-1]))
+    # Context parallelism (queries split on length over `context`): every query needs every key, so the keys
+    # and values' source is gathered over the axis: the compressed latent and the shared rope key, C + R
+    # numbers per token, and the heads are expanded from them locally (S: the whole length).
+    ckv_BSC = shard(ckv_BTC, ("batch", None, None))
+    kr_BS1R = shard(kr_BT1R, ("batch", None, None, None))
+    k_BSNH = jnp.einsum("BSC,CNH->BSNH", ckv_BSC, w(self.w_uk_CNH))
+    v_BSNP = shard(jnp.einsum("BSC,CNP->BSNP", ckv_BSC, w(self.w_uv_CNP)), ("batch", None, "heads", None))
+    kr_BSNR = jnp.broadcast_to(kr_BS1R, (*k_BSNH.shape[:3], kr_BS1R.shape[-1]))
     q_BTNK = shard(jnp.concatenate([q_BTNH, qr_BTNR], -1), ("batch", "length", "heads", None))
-    k_BTNK = shard(jnp.concatenate([k_BTNH, kr_BTNR], -1), ("batch", "length", "heads", None))
-    out_BTNP = attend(q_BTNK, k_BTNK, v_BTNP, segment_ids_BT, self.scale)
+    k_BSNK = shard(jnp.concatenate([k_BSNH, kr_BSNR], -1), ("batch", None, "heads", None))
+    out_BTNP = attend(q_BTNK, k_BSNK, v_BSNP, segment_ids_BT, self.scale)
     return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
 
 
