@@ -85,6 +85,7 @@ class Checkpointer:
   def __init__(self, cfg: config_lib.Config, directory: str | Path, *, read_only: bool = False):
     _register_array_handler()
     self.cfg = cfg
+    self.read_only = read_only  # another run's checkpoints (checkpoint.load_from)
     self.directory = checkpoint_dir(directory).absolute()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.checkpoint.keep, keep_period=cfg.checkpoint.keep_every or None,
@@ -120,12 +121,17 @@ class Checkpointer:
     return restored["config"]
 
   def check_compatible(self, step: int) -> dict:
-    """Refuses a checkpoint written for another model, naming the first key that differs; returns its config."""
+    """Refuses a checkpoint written for another model, naming the first key that differs; returns its config.
+    Loading another run's checkpoint (load_from) may change the RoPE settings: positions and frequencies are
+    not parameters, and a longer context with YaRN scaling is how a model is extended (docs/context.md)."""
     saved = self.saved_config(step)
     current = config_lib.to_dict(self.cfg)
+    free = {"moe_capacity_factor", "moe_max_expert_shards"}
+    if self.read_only:
+      free |= {"rope_scaling", "max_position_embeddings"}
     for section in ("model",):
       for key, value in current[section].items():
-        if key in ("moe_capacity_factor", "moe_max_expert_shards"):
+        if key in free:
           continue
         old = saved.get(section, {}).get(key)
         if old != value and not (isinstance(value, tuple) and list(value) == old):

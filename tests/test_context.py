@@ -44,3 +44,27 @@ def test_mla_gathers_the_latent_not_the_heads():
             and explore_compile.collective_axes(line, sizes) == ("context",)}
   m = cfg.model
   assert shapes == {(8, 64, m.kv_lora_rank), (8, 64, 1, m.qk_rope_head_dim)}, shapes
+
+
+YARN = ("model.max_position_embeddings=96", "train.seq_len=96",
+        "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 24, beta_fast: 32, "
+        "beta_slow: 1, mscale: 1, mscale_all_dim: 1}")
+
+
+def test_context_extension_continues_a_checkpoint_at_4x_the_length_with_yarn(tmp_path):
+  """The recipe of docs/context.md: train at 24 tokens, then load those parameters into a run at 96 tokens with
+  YaRN scaling (factor 4 over the original 24). The extended run starts from what the short one learnt; resuming
+  the short run itself with other RoPE settings is still refused."""
+  from jaxseek import train as train_lib
+  from jaxseek.errors import UserError
+
+  text = ("data.source=python-stdlib", "data.max_bytes=300000", "optim.lr=0.003", "optim.warmup_steps=5",
+          "checkpoint.async_save=false", "mesh.data=8")
+  short = train_lib.run(load_config("tiny-v3", *text, "train.steps=40", f"train.run_dir={tmp_path / 'short'}"))
+  long = train_lib.run(load_config("tiny-v3", *text, *YARN, "train.steps=2", f"train.run_dir={tmp_path / 'long'}",
+                                   f"checkpoint.load_from={tmp_path / 'short'}"))
+  fresh = train_lib.run(load_config("tiny-v3", *text, *YARN, "train.steps=2", f"train.run_dir={tmp_path / 'fresh'}"))
+  assert short["last_loss"] < 0.8 * short["first_loss"]
+  assert long["first_loss"] < 0.85 * fresh["first_loss"], (long, fresh)
+  with pytest.raises(UserError, match="was written for model.max_position_embeddings"):
+    train_lib.run(load_config("tiny-v3", *text, *YARN, "train.steps=42", f"train.run_dir={tmp_path / 'short'}"))
