@@ -187,9 +187,9 @@ class TrainConfig:
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "save_dots", "minimal", "offload", "full"] = "none"  # what a layer keeps: model/remat.py
   fp8: bool = False  # FP8 (e4m3, 1x128 / 128x128 scales) MLP and expert matmul inputs, emulated: model/fp8.py
-  zero: Literal[1, 3] = 3
+  zero: Literal[1, 3] = 3  # 3: parameters, gradients, optimiser state sharded on fsdp; 1: only the optimiser state
   optimizer_memory: Literal["device", "host"] = "device"  # host: AdamW state in pinned host memory (GPU, TPU)
-  grad_compression: Literal["none", "bf16", "int8"] = "none"  # the data-axis gradient sum: sharding/compression.py  # 3: parameters, gradients, optimiser state sharded on fsdp; 1: only the optimiser state
+  grad_compression: Literal["none", "bf16", "int8"] = "none"  # the data-axis gradient sum: sharding/compression.py
   loss_scale_init: float = 32768.0  # float16 compute: the first loss scale
   loss_scale_window: int = 1000  # float16 compute: the scale doubles after this many steps without overflow
   mtp_loss_weight: float = 0.3  # λ: loss = main CE + λ / depth · Σ_k MTP CE_k

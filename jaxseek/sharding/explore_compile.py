@@ -31,8 +31,8 @@ TEMP_KINDS = ("gradients", "activations", "moe_dispatch", "gathered_weights")
 
 
 def compare(cfg: Config, model, sizes: dict[str, int], hw) -> dict[str, Any]:
-  """XLA's figures for the compiled step beside the analytic ones for what it compiles (the CPU expert path): arguments = state + batch, temporaries = gradients + activations + MoE buffers +
-  gathered weights."""
+  """XLA's figures for the compiled step beside the analytic ones for what it compiles (the CPU expert path):
+  arguments = state + batch, temporaries = gradients + activations + MoE buffers + gathered weights."""
   from jaxseek.sharding import explore
 
   built = explore.plan(model, sizes, hw, platform="cpu")

@@ -2,9 +2,10 @@
 
 A layer's backward needs the tensors its forward saved (the residuals). Without remat every layer keeps all of
 them; with `train.remat=full` a layer keeps only its input x[B, T, D] and recomputes the rest while its backward
-runs; the other policies (model/remat.py) keep what `kept_copies` lists. The tensors and how many copies of each the backward keeps follow the model code (listed by
-`activation_rows`). The backward of a layer needs about its saved tensors' size again for their gradients; the
-head's logits are freed before that starts, so the larger of the two counts. Each layer run counts once:
+runs; the other policies (model/remat.py) keep what `kept_copies` lists. The tensors and how many copies of
+each the backward keeps follow the model code (listed by `activation_rows`). The backward of a layer needs about
+its saved tensors' size again for their gradients; the head's logits are freed before that starts, so the
+larger of the two counts. Each layer run counts once:
 
   activations = Σ_runs saved + max(saved(one layer), logits)                         (remat none)
   activations = Σ_runs kept + saved(one layer) + max(saved(one layer), logits)       (any other policy)
