@@ -48,7 +48,6 @@ def single_device(name, layers):
     ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.data=2"), 8),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"), 8),
     ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2"), 4),
-    ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=4", "train.remat=full"), 4),
     # circular: 2 chunks per stage (layers stored out of order, see pipeline.storage_order)
     ("tiny-dense", 4, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), 4),
     ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2"), 8),
@@ -57,7 +56,7 @@ def single_device(name, layers):
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2",
                     "train.pipeline_repeats=2"), 4),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", "train.remat=full"), 1),
-], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4", "v3-p2-remat",
+], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4",
         "dense-p2-r2-m4", "dense-p4-r2-m8", "v3-p2-r2-m4", "v3-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat"])
 def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
   """Losses, gradient norms, and per-layer expert loads and bias ranges over 5 steps (so MoE correction biases,
@@ -128,12 +127,10 @@ def test_pipeline_that_divides_no_stack_is_refused():
     load_config("tiny-v3", "train.pipeline_repeats=0")
 
 
-P2, P2R2, FLAT = ("mesh.pipeline=2", "mesh.data=4"), ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), \
-    ("mesh.data=4", "mesh.tensor=2")
+P2R2, FLAT = ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), ("mesh.data=4", "mesh.tensor=2")
 
 
-@pytest.mark.parametrize("before, after", [(P2, FLAT), (P2R2, FLAT), (FLAT, P2R2)],
-                         ids=["p2-to-p1", "p2r2-to-p1", "p1-to-p2r2"])
+@pytest.mark.parametrize("before, after", [(P2R2, FLAT), (FLAT, P2R2)], ids=["p2r2-to-p1", "p1-to-p2r2"])
 def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, after):
   """The next losses after a restore on another pipeline layout equal those of the run that saved."""
   base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "train.microbatches=4",
