@@ -192,6 +192,8 @@ class TrainConfig:
   grad_compression: Literal["none", "bf16", "int8"] = "none"  # the data-axis gradient sum: sharding/compression.py
   loss_scale_init: float = 32768.0  # float16 compute: the first loss scale
   loss_scale_window: int = 1000  # float16 compute: the scale doubles after this many steps without overflow
+  loss_scale_min: float = 1.0  # float16 compute: halving never takes the scale below this
+  loss_scale_hysteresis: int = 1  # float16 compute: overflows tolerated (steps still skipped) before the scale halves
   mtp_loss_weight: float = 0.3  # λ: loss = main CE + λ / depth · Σ_k MTP CE_k
   on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient never reaches the parameters
   spike_sigma: float | None = None  # skip steps whose loss exceeds the window mean by this many std devs
@@ -369,7 +371,7 @@ def validate(cfg: Config) -> None:
   m, t = cfg.model, cfg.train
   _positive(cfg, "model.vocab_size", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
             "train.steps", "train.batch_size", "train.seq_len", "train.microbatches", "train.pipeline_repeats",
-            "train.loss_scale_init", "train.loss_scale_window",
+            "train.loss_scale_init", "train.loss_scale_window", "train.loss_scale_min", "train.loss_scale_hysteresis",
             "metrics.every")
   sizes = cfg.mesh.sizes()
   if list(sizes.values()).count(-1) > 1:

@@ -37,6 +37,7 @@ class TrainState:
   loss_window: jax.Array  # the last train.spike_window accepted losses (NaN until filled), for spike skipping
   loss_scale: jax.Array  # float16 compute: the dynamic loss scale (1 otherwise)
   good_steps: jax.Array  # float16 compute: steps since the scale last changed without an overflow
+  overflow_budget: jax.Array  # float16 compute: overflows left before the scale halves (train.loss_scale_hysteresis)
   grad_residual: Any  # train.grad_compression: each data shard's error-feedback residual [data, ...] (else {})
 
 
@@ -83,8 +84,9 @@ def compressed(cfg: config_lib.Config, mesh: Mesh) -> bool:
   return cfg.train.grad_compression != "none" and mesh.shape["data"] > 1
 
 
-def check_setup(cfg: config_lib.Config, mesh: Mesh) -> None:
-  """Settings that depend on the mesh or the backend: refused with one line before anything is written."""
+def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> None:
+  """Settings that depend on the mesh or the backend (`backend=False`: the mesh only, as the explorer plans for
+  other hardware): refused with one line before anything is written."""
   pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
   if cfg.train.grad_compression != "none" and mesh.shape["pipeline"] > 1:
     raise UserError("config key train.grad_compression: not supported together with mesh.pipeline > 1 yet; "
@@ -94,6 +96,8 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh) -> None:
     raise UserError("config key train.grad_compression: supported for dense layers only so far (the MoE layer's "
                     "expert dispatch does not run inside the per-data-shard gradient); set it to none for MoE "
                     "models")
+  if not backend:
+    return
   platform = mesh.devices.flat[0].platform
   why = remat_lib.check_backend(cfg.train.remat, platform)
   if why:
@@ -103,11 +107,11 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh) -> None:
                     "which the cpu backend does not have; use device on cpu")
 
 
-def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
+def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True) -> Trainer:
   """eval_shape → shardings → jit(init, out_shardings): nothing is allocated until `trainer.init()`, and then the
   full model never exists unsharded on one device."""
 
-  check_setup(cfg, mesh)
+  check_setup(cfg, mesh, backend_checks)
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
@@ -131,7 +135,7 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh) -> Trainer:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params),
                       loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32),
                       loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
-                      grad_residual=residual)
+                      overflow_budget=jnp.asarray(cfg.train.loss_scale_hysteresis, jnp.int32), grad_residual=residual)
 
   with jax.set_mesh(mesh):
     abstract_state = jax.eval_shape(init)
@@ -174,7 +178,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
 
   With float16 compute the objective is multiplied by the dynamic loss scale before differentiation and the
   gradients divided by it after; a step whose gradients overflow (the loss itself finite) is skipped and the
-  scale halved; after `loss_scale_window` steps without overflow it doubles.
+  scale halved (after `loss_scale_hysteresis` such steps, never below `loss_scale_min`); after
+  `loss_scale_window` steps without overflow it doubles.
   """
   # With a pipeline the microbatches flow through the stages inside one forward pass instead.
   n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
@@ -237,9 +242,9 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   overflow = dynamic & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)  # the scale's fault, not the model's
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
              "nonfinite": (~finite & ~overflow).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
-  loss_scale, good_steps = state.loss_scale, state.good_steps
+  loss_scale, good_steps, budget = state.loss_scale, state.good_steps, state.overflow_budget
   if dynamic:
-    loss_scale, good_steps = _next_loss_scale(state, overflow, cfg.train.loss_scale_window)
+    loss_scale, good_steps, budget = _next_loss_scale(state, overflow, cfg.train)
     metrics.update(loss_scale=state.loss_scale, overflow=overflow.astype(jnp.int32))
   if depth:
     metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
@@ -250,7 +255,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
   new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
                          opt_state=keep(opt_state, opt_before), loss_window=window, loss_scale=loss_scale,
-                         good_steps=good_steps, grad_residual=keep(residual, state.grad_residual))
+                         good_steps=good_steps, overflow_budget=budget, grad_residual=keep(residual, state.grad_residual))
   return new_state, metrics
 
 
@@ -271,11 +276,17 @@ def _compressed_sum(gradients: Callable, trainer: Trainer, cfg: config_lib.Confi
   return grads, ce_sum, mtp_sums, balance.mean(0), loads, residual
 
 
-def _next_loss_scale(state: TrainState, overflow: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
-  """float16: halve the scale on overflow; double it after `window` steps without one."""
-  grow = (state.good_steps + 1 >= window) & ~overflow
-  scale = jnp.where(overflow, state.loss_scale / 2, jnp.where(grow, state.loss_scale * 2, state.loss_scale))
-  return scale, jnp.where(overflow | grow, 0, state.good_steps + 1)
+def _next_loss_scale(state: TrainState, overflow: jax.Array, t: config_lib.TrainConfig):
+  """float16 (DeepSpeed's and Megatron's rule): an overflow halves the scale, floored at `loss_scale_min`, once
+  `loss_scale_hysteresis` overflows have used up the budget; `loss_scale_window` steps without one double it
+  and refill the budget. Returns (scale, good_steps, overflow_budget)."""
+  halve = overflow & (state.overflow_budget <= 1)
+  grow = (state.good_steps + 1 >= t.loss_scale_window) & ~overflow
+  scale = jnp.where(halve, jnp.maximum(state.loss_scale / 2, t.loss_scale_min),
+                    jnp.where(grow, state.loss_scale * 2, state.loss_scale))
+  budget = jnp.where(grow, t.loss_scale_hysteresis,
+                     jnp.where(overflow & ~halve, state.overflow_budget - 1, state.overflow_budget))
+  return scale, jnp.where(overflow | grow, 0, state.good_steps + 1), budget.astype(jnp.int32)
 
 
 def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Array:

@@ -195,6 +195,10 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
     out["gradients"] += state["params"] * 4 // ITEMSIZE[cfg.train.param_dtype]
   out["gathered_weights"] = gathered_weights(model, sizes)
   out["total"] = sum(out[k] for k in KINDS)
+  if cfg.train.optimizer_memory == "host":
+    # the state lives in pinned host memory and visits the device for the update, after the backward pass has
+    # freed the activations and gathered weights: the peak holds one or the other
+    out["total"] -= min(out["optimizer"], out["activations"] + out["moe_dispatch"] + out["gathered_weights"])
   return {"bytes": out, "stage": 0, "stages": S, "layers_on_stage": stages[0]}
 
 

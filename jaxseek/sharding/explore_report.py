@@ -93,8 +93,10 @@ def print_memory(result: dict[str, Any], out: Console) -> None:
             "the embedding, head and MTP"]
     title += f" (each of {where['stages']} pipeline stages: {', '.join(held)})"
   table = _table(title, "kind", "bytes", "% of device")
+  host = result["train"].get("optimizer_memory") == "host"
   for kind in KINDS + ("total",):
-    table.add_row(kind, human(mem[kind]), f"{100 * mem[kind] / hw['memory_bytes']:.1f}")
+    label = "optimizer (host; on the device for the update)" if kind == "optimizer" and host else kind
+    table.add_row(label, human(mem[kind]), f"{100 * mem[kind] / hw['memory_bytes']:.1f}")
   out.print(table)
   verdict = "[green]fits[/green]" if where["fits"] else "[red]does not fit[/red]"
   out.print(f"{human(mem['total'])} of {human(hw['memory_bytes'])} ({hw['name']}, "
