@@ -148,7 +148,9 @@ class Checkpointer:
     targets["train"] = abstract_with_shardings(_train_fields(abstract_state), _train_fields(shardings))
     names = ("params", "biases") if params_only else STATE_PARTS
     names = tuple(n for n in names if n != "biases" or jax.tree.leaves(abstract_state.biases))
-    items = {"state": restore_args({n: targets[n] for n in names}, partial=params_only)}
+    target = pipeline.layout(self.cfg, _pipeline_size(shardings.params))
+    resized = pipeline.resized_stacks(self.cfg.model, source, target)
+    items = {"state": restore_args({n: targets[n] for n in names}, partial=params_only, resized=resized)}
     resplit = None
     if data_iterator is not None and not params_only:
       resplit = self._data_states_if_resplit(step)
@@ -167,7 +169,6 @@ class Checkpointer:
       if jax.process_index() == 0:
         print(f"data: checkpoint written by {len(resplit)} processes, now {jax.process_count()}: the data streams "
               f"restart after the furthest point any old process reached (docs/data.md)", flush=True)
-    target = pipeline.layout(self.cfg, _pipeline_size(shardings.params))
     arrays = _reorder(arrays, self.cfg.model, source, target)
     values = {n: from_pure(getattr(abstract_state, n), arrays[n]) if n in arrays else getattr(abstract_state, n)
               for n in ("params", "biases")}
@@ -212,16 +213,23 @@ def _reorder(arrays: dict, model_cfg: config_lib.ModelConfig, source: pipeline.L
     index = pipeline.reorder_index(path, stacks, source, target)
     if index is None:
       return leaf
-    return jax.jit(lambda x: jnp.take(x, index, axis=0), out_shardings=leaf.sharding, donate_argnums=0)(leaf)
+    return jax.jit(lambda x: pipeline.take_rows(x, index), out_shardings=leaf.sharding, donate_argnums=0)(leaf)
 
   return jax.tree_util.tree_map_with_path(one, arrays)
 
 
-def restore_args(target: dict, *, partial: bool) -> ocp.args.PyTreeRestore:
+def restore_args(target: dict, *, partial: bool, resized: tuple[str, ...] = ()) -> ocp.args.PyTreeRestore:
   """Restores the `state` item into `target` (ShapeDtypeStructs with shardings); `partial`: only the parts
-  `target` names (parameters without the optimiser state)."""
-  return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                partial_restore=partial)
+  `target` names (parameters without the optimiser state). Leaves under the layer stacks named in `resized` may
+  have been saved with another number of rows (pipeline padding): they are cut or zero-extended at the end, where
+  padding always sits (sharding/pipeline.py), and re-ordered after."""
+  args = ocp.checkpoint_utils.construct_restore_args(target)
+  if resized:
+    def loosen(path, arg):
+      names = {getattr(k, "key", None) for k in path}
+      return dataclasses.replace(arg, strict=False) if names & set(resized) else arg
+    args = jax.tree_util.tree_map_with_path(loosen, args)
+  return ocp.args.PyTreeRestore(target, restore_args=args, partial_restore=partial)
 
 
 def _train_fields(state: Any) -> dict[str, Any]:

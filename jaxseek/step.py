@@ -248,8 +248,9 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     metrics.update(loss_scale=state.loss_scale, overflow=overflow.astype(jnp.int32))
   if depth:
     metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
-  order = pipeline_lib.storage_order(cfg.model.num_moe_layers, pipeline_lib.stages(), cfg.train.pipeline_repeats)
-  metrics.update(_moe_metrics(loads, balance, biases, np.argsort(order)))
+  n_moe = cfg.model.num_moe_layers
+  order = pipeline_lib.storage_order(n_moe, pipeline_lib.stages(), cfg.train.pipeline_repeats)
+  metrics.update(_moe_metrics(loads, balance, biases, np.argsort(order)[:n_moe]))  # padding rows dropped
   # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
@@ -300,24 +301,26 @@ def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Arr
 def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.State,
                  logical: np.ndarray) -> dict[str, jax.Array]:
   """Expert balance per step: load max/mean (mean, worst, per layer), dropped fraction, balance loss, bias range.
-  Per-layer values come in the MoE stack's storage order; `logical` indexes them into layer order."""
+  Per-layer values come in the MoE stack's storage order; `logical` indexes them into layer order (dropping the
+  identity padding of a pipelined stack)."""
   metrics = {}
   if "load" in loads:
-    load_LE = loads["load"]
+    load_LE, dropped_L = loads["load"][logical], loads["dropped"][logical]
     max_over_mean_L = load_LE.max(-1) / jnp.maximum(load_LE.mean(-1), 1e-9)
     metrics["balance_loss"] = balance
     metrics["moe_load_max_over_mean"] = max_over_mean_L.mean()
     metrics["moe_load_max_over_mean_worst"] = max_over_mean_L.max()
-    metrics["moe_dropped_fraction"] = loads["dropped"].sum() / jnp.maximum(load_LE.sum(), 1.0)
+    metrics["moe_dropped_fraction"] = dropped_L.sum() / jnp.maximum(load_LE.sum(), 1.0)
     # one value per MoE layer (lists in metrics.jsonl)
-    metrics["moe_load_max_over_mean_by_layer"] = max_over_mean_L[logical]
-    metrics["moe_dropped_fraction_by_layer"] = (loads["dropped"] / jnp.maximum(load_LE.sum(-1), 1.0))[logical]
+    metrics["moe_load_max_over_mean_by_layer"] = max_over_mean_L
+    metrics["moe_dropped_fraction_by_layer"] = dropped_L / jnp.maximum(load_LE.sum(-1), 1.0)
   if jax.tree.leaves(biases):
     ranges = [b.max(-1) - b.min(-1) for b in jax.tree.leaves(biases)]
+    ranges = [r[logical] if r.ndim == 1 else r for r in ranges]
     metrics["moe_bias_range"] = jnp.stack([r.max() for r in ranges]).max()
     by_layer = [r for r in ranges if r.ndim == 1]  # the MoE stack's [layers] (MTP biases give scalars)
     if by_layer:
-      metrics["moe_bias_range_by_layer"] = by_layer[0][logical]
+      metrics["moe_bias_range_by_layer"] = by_layer[0]
   return metrics
 
 

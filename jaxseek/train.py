@@ -76,10 +76,12 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   state = restore_or_init(cfg, trainer, ckpt, batches)
   start = int(state.step)
   step_fn = compile_step(trainer, cfg, mesh)
-  flops_per_step = metrics_lib.flops_per_token(cfg, trainer.abstract_state.params) * cfg.train.batch_size \
-      * cfg.train.seq_len
+  # the model's own parameters and FLOPs, without the identity padding a pipeline may store
+  logical = jax.eval_shape(lambda p: pipeline_lib.reorder(p, pipeline_lib.stack_sizes(cfg.model), pipeline_lib.layout(
+      cfg, mesh.shape["pipeline"]), (1, 1)), trainer.abstract_state.params)
+  flops_per_step = metrics_lib.flops_per_token(cfg, logical) * cfg.train.batch_size * cfg.train.seq_len
   peak, peak_source = metrics_lib.peak_tflops_per_device(cfg.metrics.peak_tflops)
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  n_params = sum(x.size for x in jax.tree.leaves(logical))
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
   if mesh.shape["pipeline"] > 1:

@@ -56,8 +56,12 @@ def single_device(name, layers):
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2",
                     "train.pipeline_repeats=2"), 4),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", "train.remat=full"), 1),
+    # stacks the stages do not divide: padded with identity layers (3 dense → 4; 5 MoE → 8 in 2 rounds)
+    ("tiny-dense", 3, ("mesh.pipeline=2", "mesh.data=4"), 4),
+    ("tiny-v3", 6, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), 4),
 ], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4",
-        "dense-p2-r2-m4", "dense-p4-r2-m8", "v3-p2-r2-m4", "v3-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat"])
+        "dense-p2-r2-m4", "dense-p4-r2-m8", "v3-p2-r2-m4", "v3-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat",
+        "dense3-p2-padded", "v3-moe5-p2-r2-padded"])
 def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
   """Losses, gradient norms, and per-layer expert loads and bias ranges over 5 steps (so MoE correction biases,
   updated from the loads the pipeline gathers, matter too) equal the single-device run."""
@@ -87,8 +91,13 @@ def test_circular_storage_order_and_bubble():
   np.testing.assert_array_equal(pipeline.storage_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])
   np.testing.assert_array_equal(pipeline.storage_order(12, 2, 3), [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11])
   np.testing.assert_array_equal(pipeline.storage_order(8, 2, 1), np.arange(8))  # GPipe: contiguous
-  np.testing.assert_array_equal(pipeline.storage_order(6, 2, 2), np.arange(6))  # 2·2 ∤ 6: GPipe for this stack
-  assert pipeline.stack_repeats(6, 2, 2) == 1 and pipeline.stack_repeats(5, 2, 2) == 0
+  np.testing.assert_array_equal(pipeline.storage_order(6, 2, 2), np.arange(6))  # 2·2 ∤ 6 but 2 | 6: GPipe
+  assert pipeline.stack_repeats(6, 2, 2) == 1 and pipeline.stack_repeats(1, 2, 1) == 0  # 1 layer: every stage
+  # 5 layers, 2 stages, 2 repeats: 8 rows, the 3 of padding last; the schedule visits positions 0 1 | 4 5 | 2 3 |
+  # 6 7 (round, stage) and finds layers 0 1 | 2 pad | 3 4 | pad pad
+  assert pipeline.stack_repeats(5, 2, 2) == 2 and pipeline.stored_layers(5, 2, 2) == 8
+  np.testing.assert_array_equal(pipeline.storage_order(5, 2, 2), [0, 1, 3, 4, 2, 5, 6, 7])
+  assert pipeline.stored_layers(95, 4, 1) == 96 and pipeline.stored_layers(58, 16, 1) == 64
   for S, M, R in [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (4, 16, 4)]:
     assert pipeline.num_ticks(S, M, R) == R * M + S - 1
     assert pipeline.bubble_fraction(S, M, R) == pytest.approx((S - 1) / (R * M + S - 1))
@@ -101,6 +110,12 @@ def test_circular_storage_order_and_bubble():
   np.testing.assert_array_equal(moved["embed"], tree["embed"])
   back = pipeline.reorder(moved, {"moe_layers": 8}, (2, 2), (4, 1))
   np.testing.assert_array_equal(back["moe_layers"]["w"][:, 0], np.arange(8))
+  # padding: rows of zeros appear where the target stores padding and disappear in the flat order
+  tree = {"moe_layers": {"w": np.arange(1.0, 6.0)[:, None]}}
+  padded = pipeline.reorder(tree, {"moe_layers": 5}, (1, 1), (2, 2))
+  np.testing.assert_array_equal(padded["moe_layers"]["w"][:, 0], [1, 2, 4, 5, 3, 0, 0, 0])
+  flat = pipeline.reorder(padded, {"moe_layers": 5}, (2, 2), (1, 1))
+  np.testing.assert_array_equal(flat["moe_layers"]["w"][:, 0], [1, 2, 3, 4, 5])
 
 
 def test_layer_stacks_are_split_into_stages():
@@ -116,12 +131,12 @@ def test_layer_stacks_are_split_into_stages():
   assert "dense stack (1 layers) on every stage" in summary
 
 
-def test_pipeline_that_divides_no_stack_is_refused():
-  cfg = load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")
-  with pytest.raises(UserError, match="mesh.pipeline: 4 divides neither layer stack"):
+def test_pipeline_longer_than_every_stack_is_refused():
+  cfg = load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")  # 1 dense and 2 MoE layers
+  with pytest.raises(UserError, match="mesh.pipeline: 4 stages exceed both layer stacks"):
     step_lib.make_trainer(cfg, make_mesh(cfg))
   cfg = load_config("tiny-v3", "mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2")  # 2 MoE layers
-  with pytest.raises(UserError, match="train.pipeline_repeats: 2 repeats x 2 stages divides neither layer stack"):
+  with pytest.raises(UserError, match="train.pipeline_repeats: 2 repeats x 2 stages exceed both layer stacks"):
     step_lib.make_trainer(cfg, make_mesh(cfg))
   with pytest.raises(UserError, match="train.pipeline_repeats: 0 must be"):
     load_config("tiny-v3", "train.pipeline_repeats=0")
@@ -132,9 +147,10 @@ P2R2, FLAT = ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), ("m
 
 @pytest.mark.parametrize("before, after", [(P2R2, FLAT), (FLAT, P2R2)], ids=["p2r2-to-p1", "p1-to-p2r2"])
 def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, after):
-  """The next losses after a restore on another pipeline layout equal those of the run that saved."""
+  """The next losses after a restore on another pipeline layout equal those of the run that saved. The circular
+  layout stores the 5 MoE layers in 8 rows (identity padding): restore cuts or adds the padding."""
   base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "train.microbatches=4",
-          "model.num_hidden_layers=5")
+          "model.num_hidden_layers=6")
   cfg = load_config("tiny-v3", *before, *base)
   mesh = make_mesh(cfg)
   trainer, state = step_lib.init_state(cfg, mesh)
@@ -168,12 +184,13 @@ def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, af
 
 
 def test_export_of_a_circular_checkpoint_is_in_layer_order(tmp_path):
-  """A checkpoint of a circular pipeline stores its layers out of order; reading it back as a model (what
-  export to Hugging Face and load_pretrained use) gives the same parameters as a fresh flat model."""
+  """A checkpoint of a circular pipeline stores its layers out of order, padded (5 MoE layers in 8 rows); reading
+  it back as a model (what export to Hugging Face and load_pretrained use) gives the same parameters as a fresh
+  flat model."""
   from jaxseek.convert import pretrained
   from flax import nnx
 
-  base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "model.num_hidden_layers=5")
+  base = ("checkpoint.async_save=false", f"train.run_dir={tmp_path}", "model.num_hidden_layers=6")
   cfg = load_config("tiny-v3", *P2R2, *base, "train.microbatches=4")
   mesh = make_mesh(cfg)
   trainer, state = step_lib.init_state(cfg, mesh)
@@ -193,4 +210,6 @@ def test_export_of_a_circular_checkpoint_is_in_layer_order(tmp_path):
     np.testing.assert_array_equal(np.asarray(got[key][...]), np.asarray(want[key][...]), err_msg=str(key))
   flat_router = np.asarray(flat.params["moe_layers"]["blocks"]["mlp"]["w_router_DE"][...])
   assert not np.array_equal(stored, flat_router)  # the saved layers really were out of order
-  np.testing.assert_array_equal(stored, flat_router[pipeline.storage_order(4, 2, 2)])
+  order = pipeline.storage_order(5, 2, 2)
+  assert stored.shape[0] == 8 and not stored[order >= 5].any()  # the padding rows are zeros
+  np.testing.assert_array_equal(stored[order < 5], flat_router[order[order < 5]])

@@ -95,6 +95,24 @@ def test_float16_overflow_halves_the_scale_and_skips_the_step():
   assert abs(f16_loss[-5:].mean() / bf16_loss[-5:].mean() - 1) < 0.05
 
 
+def test_loss_scale_hysteresis_and_floor():
+  """DeepSpeed's rule: with hysteresis 2 the first overflow only spends the budget; later ones halve the scale,
+  never below the floor; a clean window doubles it and refills the budget."""
+  import jax.numpy as jnp
+
+  cfg = load_config("tiny-dense", "train.compute_dtype=float16", "train.loss_scale_window=2",
+                    "train.loss_scale_hysteresis=2", "train.loss_scale_min=4").train
+  state = step_lib.TrainState(step=None, params=None, biases=None, opt_state=None, loss_window=None,
+                              loss_scale=jnp.float32(16), good_steps=jnp.int32(0), overflow_budget=jnp.int32(2),
+                              grad_residual=None)
+  scales = []
+  for overflow in [1, 1, 1, 1, 0, 0, 1, 1]:
+    scale, good, budget = step_lib._next_loss_scale(state, jnp.bool_(overflow), cfg)
+    state = state.replace(loss_scale=scale, good_steps=good, overflow_budget=budget)
+    scales.append(float(scale))
+  assert scales == [16, 8, 4, 4, 4, 8, 8, 4]
+
+
 @pytest.mark.parametrize("mesh", [("mesh.fsdp=2", "mesh.data=2", "mesh.tensor=2")], ids=["f2d2t2"])
 def test_zero1_equals_zero3_and_holds_what_the_explorer_predicts(mesh):
   z3, state3, trainer3 = train("tiny-v3", mesh)

@@ -154,7 +154,9 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
         abstract[name] = tree
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
-          state=checkpoint_lib.restore_args(abstract, partial=True), config=ocp.args.JsonRestore()))
+          # the layers of a padded pipeline layout are its first rows (the model config is config.yaml's)
+          state=checkpoint_lib.restore_args(abstract, partial=True, resized=pipeline.STACKS),
+          config=ocp.args.JsonRestore()))
     except (ValueError, KeyError, FileNotFoundError) as e:
       first = (str(e).strip().splitlines() or [type(e).__name__])[0]
       raise UserError(f"checkpoint {path / 'checkpoints' / str(step)} does not match {path / 'config.yaml'} "

@@ -73,7 +73,7 @@ class Stack(nnx.Module):
     side = (positions_BT, segment_ids_BT, valid_BT)
     repeats = pipeline.stack_repeats(self.num_layers, pipeline.stages(), self.pipeline_repeats)
     if repeats:
-      return pipeline.run(body, state, x_BTD, side, self.microbatches, repeats)
+      return pipeline.run(body, state, x_BTD, side, self.microbatches, repeats, num_layers=self.num_layers)
     return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state)
 
 

@@ -136,13 +136,16 @@ def _layer_runs(cfg, sizes, micro):
   """(layers, runs per step, rows per run, sizes) of every layer group: pipelined stacks run per microbatch on
   rows not split over `pipeline`; without a pipeline everything runs per microbatch; with one, the rest (other
   stacks, MTP) runs once on the whole batch."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
   S, B, m = sizes["pipeline"], cfg.train.batch_size, cfg.model
   inner = {**sizes, "pipeline": 1}
   groups = []
   for stack, moe in (("dense_layers", False), ("moe_layers", True)):
     n = m.num_moe_layers if moe else m.num_dense_layers
-    if n and ex.pipelined(cfg, stack, S):
-      groups.append((n // S, micro, B // micro, inner, moe))
+    if n and ex.pipelined(cfg, stack, S):  # each stage runs its stored rows, identity padding included
+      groups.append((pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) // S, micro, B // micro, inner,
+                     moe))
     elif n:
       groups.append((n, 1 if S > 1 else micro, B if S > 1 else B // micro, sizes, moe))
   if m.num_nextn_predict_layers:
@@ -211,7 +214,8 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
     if ex.pipelined(cfg, stack, S):
       R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
       share = n / max(m.num_hidden_layers, 1)  # of the step's layer compute (the head counted with the rest)
-      bubble += seconds * share * (pipeline_lib.num_ticks(S, M, R) / (R * M) - 1)
+      padded = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) / n  # identity padding runs too
+      bubble += seconds * share * (pipeline_lib.num_ticks(S, M, R) / (R * M) * padded - 1)
   return {"flops_per_device": per_device, "time_s": seconds, "bubble_s": bubble}
 
 

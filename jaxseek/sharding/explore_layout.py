@@ -7,9 +7,10 @@ Everything here is analytic and needs no devices: shapes come from the train sta
 A parameter's place on the mesh is written in the scaling-book notation: `w_gate[L, D_fsdp, F_tensor]` splits
 D over the fsdp axis and F over tensor; only axes larger than 1 are shown.
 
-The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack whose layer count the
-stage count S divides is split into S stages (each holds L/S layers); any other stack, the embedding, the head
-and the multi-token-prediction layers are held whole by every stage, where they run data-parallel (the batch is
+The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack with at least as many
+layers as the stage count S is split into S stages (each holds L/S layers, after identity padding to a multiple
+of S·R when S·R does not divide L); any shorter stack, the embedding, the head and the multi-token-prediction
+layers are held whole by every stage, where they run data-parallel (the batch is
 split over `pipeline` outside the schedule). Every stage therefore holds the same.
 """
 
@@ -143,18 +144,23 @@ def _letters(path: str, names: tuple[str | None, ...]) -> str:
 
 
 def stage_layers(cfg: Config, pipeline: int) -> list[dict[str, int]]:
-  """Layers of each stack on each pipeline stage: L/S for a stack S divides (it runs as a pipeline), else all
-  L (it runs on every stage). The same on every stage."""
-  m = cfg.model
+  """Layer rows of each stack on each pipeline stage: its stored rows / S for a pipelined stack (padded to a
+  multiple of S·R when S·R does not divide it), else all L (it runs on every stage). The same on every stage."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
+  m, R = cfg.model, cfg.train.pipeline_repeats
   held = {"dense_layers": m.num_dense_layers, "moe_layers": m.num_moe_layers}
-  per_stage = {s: n // pipeline if n and n % pipeline == 0 else n for s, n in held.items()}
+  per_stage = {s: pipeline_lib.stored_layers(n, pipeline, R) // pipeline if pipelined(cfg, s, pipeline) else n
+               for s, n in held.items()}
   return [dict(per_stage) for _ in range(pipeline)]
 
 
 def pipelined(cfg: Config, stack: str, pipeline: int) -> bool:
   """Whether a layer stack is split over the pipeline stages."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
   n = {"dense_layers": cfg.model.num_dense_layers, "moe_layers": cfg.model.num_moe_layers}.get(stack, 0)
-  return pipeline > 1 and bool(n) and n % pipeline == 0
+  return pipeline_lib.stack_repeats(n, pipeline, 1) > 0
 
 
 def leaf_bytes(leaf: Leaf, sizes: dict[str, int], layers: int | None = None) -> int:

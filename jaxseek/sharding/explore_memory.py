@@ -184,7 +184,8 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
       continue
     if ex.pipelined(cfg, stack, S):
       R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
-      runs.append((pipeline_lib.num_ticks(S, M, R) * n // (S * R), moe, B // M, inner))
+      chunk = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) // (S * R)  # padding included
+      runs.append((pipeline_lib.num_ticks(S, M, R) * chunk, moe, B // M, inner))
     else:
       runs.append((n, moe, B if S > 1 else B // M, sizes))
   outer_batch = B if S > 1 else B // M

@@ -52,11 +52,22 @@ def stages() -> int:
 
 
 def stack_repeats(num_layers: int, num_stages: int, repeats: int) -> int:
-  """Rounds a stack of `num_layers` makes: `repeats` when S·R divides it, 1 when only S does (GPipe), 0 when it
-  is not pipelined (it runs on every stage)."""
-  if num_stages <= 1 or not num_layers or num_layers % num_stages:
+  """Rounds a stack of `num_layers` makes: 0 when it is not pipelined (fewer layers than stages: it runs on every
+  stage); `repeats` when S·R divides it, or when S does not and it has at least S·R layers; else 1 (GPipe)."""
+  if num_stages <= 1 or not num_layers or num_layers < num_stages:
     return 0
-  return repeats if num_layers % (num_stages * repeats) == 0 else 1
+  if num_layers % (num_stages * repeats) == 0:
+    return repeats
+  if num_layers % num_stages == 0:
+    return 1
+  return repeats if num_layers >= num_stages * repeats else 1
+
+
+def stored_layers(num_layers: int, num_stages: int, repeats: int) -> int:
+  """Rows a stack stores: its layers, padded with identity layers (all-zero parameters) to a multiple of S·R when
+  it is pipelined and S·R does not divide it."""
+  unit = num_stages * stack_repeats(num_layers, num_stages, repeats)
+  return -(-num_layers // unit) * unit if unit else num_layers
 
 
 def num_ticks(num_stages: int, microbatches: int, repeats: int) -> int:
@@ -74,12 +85,16 @@ def bubble_fraction(num_stages: int, microbatches: int, repeats: int = 1) -> flo
 
 
 def storage_order(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
-  """The logical layer held at each storage position of a stack (the identity except for circular stacks)."""
-  R = stack_repeats(num_layers, num_stages, repeats)
-  order = np.arange(num_layers)
+  """The logical layer held at each storage position of a stack; values ≥ num_layers are padding, always the last
+  positions (so the real layers of any layout are rows [0, num_layers)). The schedule visits position (s, r, c)
+  in the order (r, s, c); the real layers are assigned in that visiting order."""
+  R, P = stack_repeats(num_layers, num_stages, repeats), stored_layers(num_layers, num_stages, repeats)
   if R <= 1:
-    return order
-  return order.reshape(R, num_stages, -1).transpose(1, 0, 2).reshape(-1)
+    return np.arange(P)
+  visit = np.arange(P).reshape(num_stages, R, -1).transpose(1, 0, 2).reshape(-1)  # positions in schedule order
+  order = np.arange(P)
+  order[visit[visit < num_layers]] = np.arange(num_layers)
+  return order
 
 
 Layout = tuple[int, int]  # (pipeline stages, repeats) a state was stored with
@@ -97,22 +112,43 @@ def saved_layout(saved_config: dict) -> Layout:
 
 def reorder_index(path: tuple, num_layers: dict[str, int], source: Layout, target: Layout) -> np.ndarray | None:
   """For a leaf at `path` under a stack (params, biases, optimiser moments: any key in STACKS): the gather along
-  its leading "layers" axis from the storage order of `source` to that of `target`; None when nothing moves."""
+  its leading "layers" axis from the storage order of `source` to that of `target`, -1 where the target holds
+  padding (zeros); None when nothing moves. The source may be cut or zero-extended to the target's length first:
+  its real layers are its first rows."""
   names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
   stack = next((n for n in names if n in num_layers), None)
   if stack is None:
     return None
-  src, dst = storage_order(num_layers[stack], *source), storage_order(num_layers[stack], *target)
-  # target position p holds logical layer dst[p], found at source position argsort(src)[dst[p]]
-  return None if np.array_equal(src, dst) else np.argsort(src)[dst]
+  n = num_layers[stack]
+  src, dst = storage_order(n, *source), storage_order(n, *target)
+  if np.array_equal(src, dst):
+    return None
+  found = np.argsort(src)[:n]  # the source position of each logical layer (all < n)
+  return np.where(dst < n, found[np.minimum(dst, n - 1)], -1)
+
+
+def resized_stacks(model_cfg, source: Layout, target: Layout) -> tuple[str, ...]:
+  """The stacks stored with a different number of rows (padding) under the two layouts."""
+  return tuple(name for name, n in stack_sizes(model_cfg).items()
+               if stored_layers(n, *source) != stored_layers(n, *target))
+
+
+def take_rows(leaf: jax.Array, index: np.ndarray) -> jax.Array:
+  """Rows `index` of `leaf` (leading axis); -1 gives a row of zeros (identity padding)."""
+  out = jnp.take(leaf, np.maximum(index, 0), axis=0)
+  if (index < 0).any():
+    keep = (index >= 0).reshape(-1, *([1] * (leaf.ndim - 1)))
+    out = jnp.where(keep, out, 0)  # a weakly typed 0 keeps the leaf's dtype
+  return out
 
 
 def reorder(tree: Any, num_layers: dict[str, int], source: Layout, target: Layout) -> Any:
-  """`tree` with every stack leaf moved from the storage order of `source` to that of `target`."""
+  """`tree` with every stack leaf moved from the storage order of `source` to that of `target` (padding added or
+  dropped as the target needs)."""
 
   def one(path, leaf):
     index = reorder_index(path, num_layers, source, target)
-    return leaf if index is None else jnp.take(leaf, index, axis=0)
+    return leaf if index is None else take_rows(leaf, index)
 
   return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -122,16 +158,16 @@ def stack_sizes(model_cfg) -> dict[str, int]:
 
 
 def check_stacks(cfg: Config, stages: int) -> None:
-  """Refuses a pipeline size that divides neither layer stack (nothing would be pipelined), and repeats that
-  divide no stack together with it."""
+  """Refuses a pipeline longer than every layer stack (nothing would be pipelined), and repeats no stack can make
+  (each stage would need R chunks of at least one layer)."""
   m, R = cfg.model, cfg.train.pipeline_repeats
-  if stages > 1 and not any(n and n % stages == 0 for n in (m.num_dense_layers, m.num_moe_layers)):
-    raise UserError(f"config key mesh.pipeline: {stages} divides neither layer stack ({m.num_dense_layers} dense, "
-                    f"{m.num_moe_layers} MoE layers); choose a pipeline size that divides one of them")
+  counts = f"({m.num_dense_layers} dense, {m.num_moe_layers} MoE layers)"
+  if stages > 1 and not any(stack_repeats(n, stages, 1) for n in (m.num_dense_layers, m.num_moe_layers)):
+    raise UserError(f"config key mesh.pipeline: {stages} stages exceed both layer stacks {counts}; choose at most "
+                    f"as many stages as the larger stack has layers")
   if stages > 1 and R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
-    raise UserError(f"config key train.pipeline_repeats: {R} repeats x {stages} stages divides neither layer stack "
-                    f"({m.num_dense_layers} dense, {m.num_moe_layers} MoE layers); choose repeats R with "
-                    f"mesh.pipeline x R dividing one of them, or 1")
+    raise UserError(f"config key train.pipeline_repeats: {R} repeats x {stages} stages exceed both layer stacks "
+                    f"{counts}; choose R with mesh.pipeline x R at most the larger stack's layer count, or 1")
 
 
 def summary(cfg: Config, stages: int) -> str:
@@ -142,8 +178,10 @@ def summary(cfg: Config, stages: int) -> str:
     if n:
       r = stack_repeats(n, stages, R)
       rounds.add(r)
+      padding = stored_layers(n, stages, R) - n
       stacks.append(f"{name} stack ({n} layers) on every stage" if not r else
-                    f"{name} stack {n // stages} layers per stage" + (f" in {r} chunks" if r > 1 else ""))
+                    f"{name} stack {stored_layers(n, stages, R) // stages} layers per stage" +
+                    (f" in {r} chunks" if r > 1 else "") + (f" ({padding} identity padding)" if padding else ""))
   r = max(rounds)
   schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
   formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
@@ -163,13 +201,14 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 
 
 def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches: int, repeats: int = 1,
-        per_row: tuple[str, ...] = ("balance",)):
+        per_row: tuple[str, ...] = ("balance",), num_layers: int | None = None):
   """Runs `body(x_bTD, layer_state_l, side) → (x_bTD, aux_l: dict)` over all layers as a pipeline.
 
   `layer_state` leaves are [L, ...] in storage order (sharded on `pipeline`); `side` holds per-row inputs
   [B, ...] (or None) that every layer reads. Returns (x_BTD, aux) as a scan over the layers would, with aux in
   storage order: entries named in `per_row` (per-sequence terms [L, b] per microbatch) are reassembled into
-  [L, B]; the others (expert loads, dropped counts) are summed over the microbatches.
+  [L, B]; the others (expert loads, dropped counts) are summed over the microbatches. Rows from `num_layers` on
+  are identity padding (all-zero parameters): their aux entries are zeroed.
   """
   S, M, R = stages(), microbatches, max(repeats, 1)
   x_MbTD = split_microbatches(x_BTD, M)
@@ -223,6 +262,10 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
   # the output is on every stage; from here on each stage takes its share of the batch again (rows of every
   # microbatch split over pipeline × data × …, which after merging is the batch's own split)
   out_MbTD = shard(out_MbTD, (None, "batch", "length", "embed"))
+  stored = jax.tree.leaves(layer_state)[0].shape[0]
+  if num_layers is not None and num_layers < stored:
+    real = np.arange(stored) < num_layers
+    aux = jax.tree.map(lambda a: jnp.where(real.reshape(-1, *([1] * (a.ndim - 1))), a, jnp.zeros((), a.dtype)), aux)
   return merge_microbatches(out_MbTD), aux
 
 
