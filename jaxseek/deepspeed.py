@@ -505,7 +505,7 @@ def base_config(model: str | None) -> tuple[dict[str, Any], str]:
   raw = yaml.safe_load(found.read_text()) or {}
   if not isinstance(raw, dict):
     raise UserError(f"--model {model}: {found} is not a jaxseek config (a mapping of sections)")
-  return raw, str(found)
+  return raw, f"configs/{found.name}" if found.parent == CONFIGS else str(found)
 
 
 def merge(base: dict[str, Any], t: Translation) -> dict[str, Any]:
@@ -517,6 +517,17 @@ def merge(base: dict[str, Any], t: Translation) -> dict[str, Any]:
     merged["mesh"] = {**{a: mesh[a] for a in config_lib.MESH_AXES if a in mesh},
                       **{k: v for k, v in mesh.items() if k not in config_lib.MESH_AXES}}
   return merged
+
+
+def override(merged: dict[str, Any], t: Translation, overrides: list[str]) -> None:
+  """`section.key=value` items (values read as YAML) over the merged sections, commented as such."""
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    if not sep or "." not in key:
+      raise UserError(f"override {item!r} must look like section.key=value, e.g. model.num_hidden_layers=8")
+    section, _, field = key.partition(".")
+    merged.setdefault(section, {})[field] = yaml.safe_load(value) if value else ""
+    t.sources[key] = "command line"
 
 
 def check(merged: dict[str, Any], cluster: Cluster) -> config_lib.Config:

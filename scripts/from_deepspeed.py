@@ -1,6 +1,8 @@
 """Translate a DeepSpeed config into a jaxseek config (docs/from-deepspeed.md).
 
   python scripts/from_deepspeed.py ds_config.json --model deepseek-llm-67b --nodes 4 --gpus-per-node 8 > run.yaml
+  python scripts/from_deepspeed.py ds_config.json --model tiny-dense model.num_hidden_layers=8 --platform cpu \
+      --gpus-per-node 8 > tiny.yaml
   python -m jaxseek.train --config run.yaml
 
 The YAML goes to stdout, each translated line commented with the DeepSpeed key it came from, and the keys with
@@ -21,6 +23,7 @@ from jaxseek.errors import UserError, cli
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("ds_config", help="the DeepSpeed JSON config (a Python dict literal is read too)")
+  p.add_argument("overrides", nargs="*", help="section.key=value applied last, e.g. model.num_hidden_layers=8")
   p.add_argument("--model", help="the model: a jaxseek config name (deepseek-llm-67b) or YAML file, or a Hugging "
                  "Face folder or config.json; its other settings (data, seq_len, run_dir) are kept")
   p.add_argument("--nodes", type=int, default=1, help="nodes (deepspeed --num_nodes; default 1)")
@@ -29,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "(mesh.num_cpu_devices = --gpus-per-node; no host offload)")
   p.add_argument("--device-memory", default="h100-80g", help="the explorer's device for the memory summary "
                  "(h100-80g, h800-80g, a100-40g, ... or a size such as 80GB)")
-  return p.parse_args(argv)
+  return p.parse_intermixed_args(argv)
 
 
 @cli
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
   translation = deepspeed.translate(ds, cluster)
   base, origin = deepspeed.base_config(args.model)
   merged = deepspeed.merge(base, translation)
+  deepspeed.override(merged, translation, args.overrides)
   try:
     cfg = deepspeed.check(merged, cluster)
   except UserError as e:
@@ -67,7 +71,11 @@ def _memory_summary(cfg, cluster: deepspeed.Cluster, device_memory: str) -> None
 
   hw = explore.hardware(device_memory, devices_per_node=cluster.gpus_per_node)
   result = explore.plan(explore.describe(cfg), explore.mesh_sizes(cfg, cluster.devices), hw)
-  report.print_memory(result, Console(stderr=True, width=120))
+  console = Console(stderr=True, width=120)
+  report.print_memory(result, console)
+  if not result["memory"]["fits"]:
+    console.print(f"layouts that fit: python -m jaxseek.explore --config run.yaml --devices {cluster.devices} "
+                  f"--device-memory {device_memory} --suggest --pipeline")
 
 
 if __name__ == "__main__":
