@@ -3,7 +3,8 @@
   python scripts/launch_local.py -n 2 -- python -m jaxseek.train --config configs/tiny-v3.yaml \\
       mesh.num_cpu_devices=4 mesh.data=2 mesh.fsdp=2 mesh.tensor=2
 
-Each process gets JAXSEEK_COORDINATOR (127.0.0.1 and a free port), JAXSEEK_NUM_PROCESSES and JAXSEEK_PROCESS_ID;
+Each process gets JAXSEEK_COORDINATOR (127.0.0.1 and a free port), JAXSEEK_NUM_PROCESSES, JAXSEEK_PROCESS_ID and
+JAXSEEK_NODE (each process counts as a node of its own, as on a cluster with one process per node);
 `mesh.num_cpu_devices` is per process. Output lines are forwarded with a "[i]" prefix. If one process exits
 with an error, the others are stopped and the launcher exits with that status.
 """
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
   procs = []
   for i in range(args.num_processes):
     env = dict(os.environ, JAXSEEK_COORDINATOR=f"127.0.0.1:{port}", JAXSEEK_NUM_PROCESSES=str(args.num_processes),
-               JAXSEEK_PROCESS_ID=str(i))
+               JAXSEEK_PROCESS_ID=str(i), JAXSEEK_NODE=f"simulated-node-{i}")
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     threading.Thread(target=forward, args=(i, proc.stdout), daemon=True).start()
     procs.append(proc)

@@ -193,9 +193,9 @@ def test_guide_example_trains_a_tiny_model_on_8_simulated_devices(tmp_path, caps
 
   path = tmp_path / "ds_config.py"
   path.write_text(GUIDE)
-  model = tmp_path / "tiny.yaml"  # tiny-dense with 5 layers: 4 stages hold 2 rows each, 3 of them padding
+  model = tmp_path / "tiny.yaml"  # tiny-dense with 9 layers: 4 stages hold 3 rows each, 3 of them padding
   raw = yaml.safe_load((CONFIGS / "tiny-dense.yaml").read_text())
-  raw["model"]["num_hidden_layers"] = 5
+  raw["model"]["num_hidden_layers"] = 9
   model.write_text(yaml.safe_dump(raw))
   assert from_deepspeed.main([str(path), "--model", str(model), "--nodes", "1", "--gpus-per-node", "8",
                               "--platform", "cpu"]) == 0

@@ -183,8 +183,11 @@ def test_deepseek_v3_on_2048_devices_in_seconds():
   assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["placement"] == "w_gate[L_pipeline, E_expert, D, M_tensor]"
   assert rows["dense_layers.blocks.mlp.w_gate_DF"]["stages"] == 1
   assert rows["moe_layers.blocks.mlp.w_gate_EDM"]["stages"] == 2
-  with pytest.raises(UserError, match="mesh.pipeline: 16 divides neither layer stack"):
-    explore.plan(explore.describe(cfg), {**sizes, "pipeline": 16, "tensor": 1, "data": 2}, explore.hardware("h800-80g"))
+  # 16 stages, as DeepSeek trained V3: 58 MoE layers padded to 16 × 4; the 3 dense layers on every stage
+  assert explore_layout.stage_layers(cfg, 16) == [{"dense_layers": 3, "moe_layers": 4}] * 16
+  explore.plan(explore.describe(cfg), {**sizes, "pipeline": 16, "tensor": 1, "data": 2}, explore.hardware("h800-80g"))
+  with pytest.raises(UserError, match="mesh.pipeline: 32 stages split neither layer stack"):
+    explore.plan(explore.describe(cfg), {**sizes, "pipeline": 32, "tensor": 1, "data": 1}, explore.hardware("h800-80g"))
   assert set(result["communication"]) >= {"pipeline", "expert", "data"}
   assert result["communication"]["expert"][-1]["collective"] == "all-to-all"
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import CONFIGS, ROOT, load_config
+from jaxseek.errors import UserError
 from jaxseek.train import run
 
 COMMON = ["metrics.every=1", "optim.schedule=constant", "optim.warmup_steps=2", "checkpoint.every=3"]
@@ -63,6 +64,24 @@ def test_tensor_axis_across_processes_is_refused(tmp_path, run_env):
   proc = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
   assert "mesh.tensor=8 would span processes [0, 1]" in proc.stdout and "mesh.allow_cross_host=true" in proc.stdout
+  assert "on 2 nodes" in proc.stdout
+
+
+def test_processes_of_one_node_may_share_a_tensor_group(monkeypatch):
+  """With one process per GPU, a node's processes share its NVLink: a tensor group may span them, not nodes."""
+  from types import SimpleNamespace
+
+  from jaxseek.config import MESH_AXES
+  from jaxseek.sharding import mesh as mesh_lib
+
+  devices = [SimpleNamespace(process_index=p, id=p) for p in range(4)]  # one device per process
+  grid = np.array(devices, dtype=object).reshape((1, 2, 1, 1, 1, 2))  # data 2 × tensor 2: {0, 1}, {2, 3}
+  assert grid.shape == tuple(1 if a not in ("data", "tensor") else 2 for a in MESH_AXES)
+  monkeypatch.setattr(mesh_lib, "_NODES", {0: 0, 1: 0, 2: 2, 3: 2})  # two nodes of two processes
+  mesh_lib.check_host_local(grid)
+  monkeypatch.setattr(mesh_lib, "_NODES", {0: 0, 1: 1, 2: 2, 3: 3})  # a node per process
+  with pytest.raises(UserError, match=r"mesh.tensor=2 would span processes \[0, 1\] on 2 nodes"):
+    mesh_lib.check_host_local(grid)
 
 
 PROBE = """

@@ -56,12 +56,12 @@ def single_device(name, layers):
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2",
                     "train.pipeline_repeats=2"), 4),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", "train.remat=full"), 1),
-    # stacks the stages do not divide: padded with identity layers (3 dense → 4; 5 MoE → 8 in 2 rounds)
-    ("tiny-dense", 3, ("mesh.pipeline=2", "mesh.data=4"), 4),
+    # stacks the stages do not divide: padded with identity layers (5 dense → 6; 5 MoE → 8 in 2 rounds)
+    ("tiny-dense", 5, ("mesh.pipeline=2", "mesh.data=4"), 4),
     ("tiny-v3", 6, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), 4),
 ], ids=["dense-p2-m4", "dense-p4-m8", "v3-p2-m4", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4",
         "dense-p2-r2-m4", "dense-p4-r2-m8", "v3-p2-r2-m4", "v3-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat",
-        "dense3-p2-padded", "v3-moe5-p2-r2-padded"])
+        "dense5-p2-padded", "v3-moe5-p2-r2-padded"])
 def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
   """Losses, gradient norms, and per-layer expert loads and bias ranges over 5 steps (so MoE correction biases,
   updated from the loads the pipeline gathers, matter too) equal the single-device run."""
@@ -92,7 +92,7 @@ def test_circular_storage_order_and_bubble():
   np.testing.assert_array_equal(pipeline.storage_order(12, 2, 3), [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11])
   np.testing.assert_array_equal(pipeline.storage_order(8, 2, 1), np.arange(8))  # GPipe: contiguous
   np.testing.assert_array_equal(pipeline.storage_order(6, 2, 2), np.arange(6))  # 2·2 ∤ 6 but 2 | 6: GPipe
-  assert pipeline.stack_repeats(6, 2, 2) == 1 and pipeline.stack_repeats(1, 2, 1) == 0  # 1 layer: every stage
+  assert pipeline.stack_repeats(6, 2, 2) == 1 and pipeline.stack_repeats(3, 2, 1) == 0  # 2 ∤ 3 < 2·2: every stage
   # 5 layers, 2 stages, 2 repeats: 8 rows, the 3 of padding last; the schedule visits positions 0 1 | 4 5 | 2 3 |
   # 6 7 (round, stage) and finds layers 0 1 | 2 pad | 3 4 | pad pad
   assert pipeline.stack_repeats(5, 2, 2) == 2 and pipeline.stored_layers(5, 2, 2) == 8
@@ -133,7 +133,7 @@ def test_layer_stacks_are_split_into_stages():
 
 def test_pipeline_longer_than_every_stack_is_refused():
   cfg = load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")  # 1 dense and 2 MoE layers
-  with pytest.raises(UserError, match="mesh.pipeline: 4 stages exceed both layer stacks"):
+  with pytest.raises(UserError, match="mesh.pipeline: 4 stages split neither layer stack"):
     step_lib.make_trainer(cfg, make_mesh(cfg))
   cfg = load_config("tiny-v3", "mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2")  # 2 MoE layers
   with pytest.raises(UserError, match="train.pipeline_repeats: 2 repeats x 2 stages exceed both layer stacks"):

@@ -170,8 +170,8 @@ def _activations(cfg, sizes, micro, passes):
       a2a_count += runs * 2 * passes * layers
       a2a_bytes += runs * 2 * passes * layers * (p - 1) / p * buffer
     if ctx > 1:
-      kv = sum(tt.bytes(where) * tt.copies for tt in em.attention_tensors(cfg, batch)
-               if tt.name in ("k, v", "kv latent"))
+      kv = em.context_gathered(cfg, batch)
+      kv = kv.bytes(where) * kv.copies
       kv_count += runs * passes * layers
       kv_bytes += runs * passes * layers * (ctx - 1) * kv
   ends = em.attention_tensors(cfg, cfg.train.batch_size if S > 1 else cfg.train.batch_size // micro)[0].bytes(sizes)
@@ -181,7 +181,8 @@ def _activations(cfg, sizes, micro, passes):
   if m.is_moe and a2a_count:
     items.append(("expert", "all-to-all", "MoE dispatch buffers [P·C, D], out and back", a2a_count, a2a_bytes))
   if ctx > 1:
-    items.append(("context", "all-gather", "keys and values (gradients reduce-scattered)", kv_count, kv_bytes))
+    what = "MLA latent and rope key [B,T,C+R]" if m.is_mla else "keys and values"
+    items.append(("context", "all-gather", f"{what} per layer (gradients reduce-scattered)", kv_count, kv_bytes))
   piped = [n for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers))
            if ex.pipelined(cfg, stack, S)]
   if piped:

@@ -7,9 +7,9 @@ Everything here is analytic and needs no devices: shapes come from the train sta
 A parameter's place on the mesh is written in the scaling-book notation: `w_gate[L, D_fsdp, F_tensor]` splits
 D over the fsdp axis and F over tensor; only axes larger than 1 are shown.
 
-The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack with at least as many
-layers as the stage count S is split into S stages (each holds L/S layers, after identity padding to a multiple
-of S·R when S·R does not divide L); any shorter stack, the embedding, the head and the multi-token-prediction
+The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack the stage count S divides,
+or with at least 2·S layers, is split into S stages (each holds L/S layers, after identity padding to a multiple
+of S·R when S·R does not divide L); any other stack, the embedding, the head and the multi-token-prediction
 layers are held whole by every stage, where they run data-parallel (the batch is
 split over `pipeline` outside the schedule). Every stage therefore holds the same.
 """

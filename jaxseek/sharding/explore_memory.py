@@ -63,26 +63,46 @@ def batch_shards(sizes: dict[str, int]) -> int:
   return math.prod(sizes[a] for a in ACTIVATION_RULES["batch"])
 
 
-def attention_tensors(cfg: Config, batch: int, platform: str = "gpu") -> list[Tensor]:
-  """What an attention block keeps: the residual stream and norms, projections, scores and probabilities."""
+def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: int = 1) -> list[Tensor]:
+  """What an attention block keeps: the residual stream and norms, projections, scores and probabilities. The
+  queries are split over `context` with their tokens; keys and values cover the whole sequence (gathered: MLA
+  gathers its latent and rope key and expands them on every device)."""
   m, c = cfg.model, activation_itemsize(cfg, platform)
   B, T, D, N = batch, cfg.train.seq_len, m.hidden_size, m.num_attention_heads
-  btd, btn = ("batch", "length", None), ("batch", "length", "heads", None)
+  btd, btn, whole = ("batch", "length", None), ("batch", "length", "heads", None), ("batch", None, "heads", None)
   out = [Tensor("x (residual, norms)", "x", "attention", "BTD", (B, T, D), btd, c, 6)]
   if m.is_mla:
     K, P = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     if m.q_lora_rank:
       out.append(Tensor("q latent", "c_q", "attention", "BTQ", (B, T, m.q_lora_rank), btd, c, 3))
-    out += [Tensor("kv latent", "c_kv", "attention", "BTC", (B, T, m.kv_lora_rank), btd, c, 3),
-            Tensor("q, k (H = nope + rope)", "q", "attention", "BTNH", (B, T, N, K), btn, c, 2),
-            Tensor("v, attention out", "v", "attention", "BTNP", (B, T, N, P), btn, c, 2)]
+    out.append(Tensor("kv latent", "c_kv", "attention", "BTC", (B, T, m.kv_lora_rank), btd, c, 3))
+    if context > 1:
+      out.append(dataclasses.replace(context_gathered(cfg, B, platform), name="kv latent, rope key (gathered)",
+                                     names=("batch", None, None)))
+    out += [Tensor("q (H = nope + rope)", "q", "attention", "BTNH", (B, T, N, K), btn, c, 1),
+            Tensor("k (whole sequence)", "k", "attention", "BTNH", (B, T, N, K), whole, c, 1),
+            Tensor("v (whole sequence)", "v", "attention", "BTNP", (B, T, N, P), whole, c, 1),
+            Tensor("attention out", "o", "attention", "BTNP", (B, T, N, P), btn, c, 1)]
   else:
     H, G = m.dense_head_dim, m.kv_heads
     out += [Tensor("q, attention out", "q", "attention", "BTNH", (B, T, N, H), btn, c, 2),
-            Tensor("k, v", "k", "attention", "BTGH", (B, T, G, H), ("batch", "length", "kv_heads", None), c, 2)]
+            Tensor("k, v (whole sequence)", "k", "attention", "BTGH", (B, T, G, H), ("batch", None, "kv_heads", None),
+                   c, 2)]
   out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, T),
                     ("batch", "heads", "length", None), 4, 2))
   return out
+
+
+def context_gathered(cfg: Config, batch: int, platform: str = "gpu") -> Tensor:
+  """What one device sends in a layer's `context` all-gather: its tokens' MLA latent and rope key, or their
+  keys and values (multi-head / grouped-query attention)."""
+  m, c = cfg.model, activation_itemsize(cfg, platform)
+  T = cfg.train.seq_len
+  if m.is_mla:
+    return Tensor("kv latent, rope key", "c_kv", "attention", "BTC", (batch, T, m.kv_lora_rank + m.qk_rope_head_dim),
+                  ("batch", "length", None), c, 1)
+  return Tensor("k, v", "k", "attention", "BTGH", (batch, T, m.kv_heads, m.dense_head_dim),
+                ("batch", "length", "kv_heads", None), c, 2)
 
 
 def mlp_tensors(cfg: Config, batch: int, hidden: int, name: str = "mlp hidden (gate, up, silu)",
@@ -127,7 +147,7 @@ def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str,
   """Everything one decoder layer keeps for one run on `batch` rows (default: one microbatch)."""
   m = cfg.model
   batch = cfg.train.batch_size // cfg.train.microbatches if batch is None else batch
-  out = attention_tensors(cfg, batch, platform)
+  out = attention_tensors(cfg, batch, platform, sizes["context"])
   if not moe:
     return out + mlp_tensors(cfg, batch, m.intermediate_size, platform=platform)
   if m.n_shared_experts:
@@ -231,7 +251,7 @@ def kept_copies(t: Tensor, policy: str) -> int:
   if t.name.startswith("x "):
     return 1
   if policy == "minimal":
-    return 1 if t.name in ("q latent", "kv latent", "v, attention out", "q, attention out") else 0
+    return 1 if t.name in ("q latent", "kv latent", "attention out", "q, attention out") else 0
   if policy == "save_dots":
     if t.name in ("scores, probabilities", "dispatch rows", "dispatch masks", "expert weights (gathered)",
                   "blocked rows in and out"):

@@ -12,8 +12,9 @@ from jax.sharding import AxisType, Mesh
 from jaxseek.config import MESH_AXES, Config, DistConfig, MeshConfig, check_mesh_fit
 from jaxseek.errors import UserError
 
-# Axes that must stay inside one process (node-local NVLink): their collectives run every layer.
+# Axes that must stay inside one node (NVLink): their collectives run every layer.
 HOST_LOCAL_AXES = ("expert", "tensor")
+_NODES: dict[int, int] | None = None  # process index → node number, learnt once per run
 
 
 def initialize_distributed(dist: DistConfig) -> bool:
@@ -104,16 +105,38 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def process_nodes() -> dict[int, int]:
+  """Which node each process runs on: processes with the same host name (or JAXSEEK_NODE, which
+  scripts/launch_local.py sets to tell simulated nodes apart) share a node. One all-gather, the first time."""
+  global _NODES
+  if _NODES is None:
+    if jax.process_count() == 1:
+      _NODES = {0: 0}
+    else:
+      import hashlib
+      import socket
+
+      from jax.experimental import multihost_utils
+
+      name = os.environ.get("JAXSEEK_NODE") or socket.gethostname()
+      key = np.frombuffer(hashlib.sha256(name.encode()).digest()[:4], np.int32)
+      keys = np.asarray(multihost_utils.process_allgather(key)).reshape(-1)
+      first = {k: i for i, k in reversed(list(enumerate(keys)))}  # a node is numbered by its first process
+      _NODES = {p: first[k] for p, k in enumerate(keys)}
+  return _NODES
+
+
 def check_host_local(grid: np.ndarray) -> None:
-  """Refuses a layout whose expert or tensor groups span processes (their per-layer collectives would cross
-  the slow inter-node links)."""
+  """Refuses a layout whose expert or tensor groups span nodes (their per-layer collectives would cross the slow
+  inter-node links). With one process per GPU the processes of a node share its NVLink: they may form a group."""
+  nodes = process_nodes()
   for axis in HOST_LOCAL_AXES:
     moved = np.moveaxis(grid, MESH_AXES.index(axis), -1).reshape(-1, grid.shape[MESH_AXES.index(axis)])
     for group in moved:
-      if len({d.process_index for d in group}) > 1:
+      spanned = {nodes.get(d.process_index, d.process_index) for d in group}
+      if len(spanned) > 1:
         raise UserError(f"mesh.{axis}={len(group)} would span processes {sorted({d.process_index for d in group})} "
-                        f"({len(jax.local_devices())} devices each); keep {axis} within a node or set "
-                        f"mesh.allow_cross_host=true")
+                        f"on {len(spanned)} nodes; keep {axis} within a node or set mesh.allow_cross_host=true")
 
 
 def describe(mesh: Mesh) -> str:

@@ -52,9 +52,10 @@ def stages() -> int:
 
 
 def stack_repeats(num_layers: int, num_stages: int, repeats: int) -> int:
-  """Rounds a stack of `num_layers` makes: 0 when it is not pipelined (fewer layers than stages: it runs on every
-  stage); `repeats` when S·R divides it, or when S does not and it has at least S·R layers; else 1 (GPipe)."""
-  if num_stages <= 1 or not num_layers or num_layers < num_stages:
+  """Rounds a stack of `num_layers` makes: 0 when it is not pipelined (S does not divide it and it has fewer than
+  2·S layers: its own schedule would add a bubble for one or two layers a stage, so it runs on every stage);
+  `repeats` when S·R divides it, or when S does not and it has at least S·R layers (padded); else 1 (GPipe)."""
+  if num_stages <= 1 or not num_layers or (num_layers % num_stages and num_layers < 2 * num_stages):
     return 0
   if num_layers % (num_stages * repeats) == 0:
     return repeats
@@ -163,8 +164,8 @@ def check_stacks(cfg: Config, stages: int) -> None:
   m, R = cfg.model, cfg.train.pipeline_repeats
   counts = f"({m.num_dense_layers} dense, {m.num_moe_layers} MoE layers)"
   if stages > 1 and not any(stack_repeats(n, stages, 1) for n in (m.num_dense_layers, m.num_moe_layers)):
-    raise UserError(f"config key mesh.pipeline: {stages} stages exceed both layer stacks {counts}; choose at most "
-                    f"as many stages as the larger stack has layers")
+    raise UserError(f"config key mesh.pipeline: {stages} stages split neither layer stack {counts}; a stack is "
+                    f"split when the stage count divides it or it has at least twice as many layers")
   if stages > 1 and R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key train.pipeline_repeats: {R} repeats x {stages} stages exceed both layer stacks "
                     f"{counts}; choose R with mesh.pipeline x R at most the larger stack's layer count, or 1")
