@@ -2,8 +2,9 @@
 
 `load(path, overrides)` reads a YAML file whose top-level keys are the sections below, applies
 `section.key=value` overrides (values parsed as YAML), checks every key and type, and validates the values
-that can be checked before the devices are known. Model field names are the Hugging Face `config.json` keys,
-so a model's `config.json` can be used as the `model` section as it is.
+that can be checked before the devices are known. Model field names are the Hugging Face `config.json` keys;
+a model's `config.json` carries more keys than these (architectures, torch_dtype, ...), so it is read through
+`jaxseek.convert.hf.model_config` (by `load_pretrained` and `scripts/from_deepspeed.py --model`).
 """
 
 from __future__ import annotations

@@ -122,6 +122,7 @@ def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watch
     pending = (step, metrics, data_wait, extra)
     if preempted:
       reporter(*pending)
+      watchdog.stop()  # the save may take longer than a step; it is not a hang
       ckpt.wait()
       _log(f"pre-empted ({preemption.signal_name or 'sync point'}): saved step {step}; "
            f"run the same command again to resume")
