@@ -104,6 +104,7 @@ class MeshConfig:
   expert: int = 1
   context: int = 1
   tensor: int = 1
+  sequence_parallel: bool = False  # Megatron SP: the residual stream and its norms split on length over tensor
   num_cpu_devices: int | None = None  # simulated CPU devices per process (machines without an accelerator)
   allow_cross_host: bool = False  # let expert / tensor groups span processes (slow links); refused by default
 
@@ -447,6 +448,11 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
     if value % size:
       names = " × ".join(f"mesh.{a}={sizes[a]}" for a in axes)
       raise UserError(f"config key {key}: {value} is not divisible by {names}; change the mesh or the model size")
+  length = sizes["context"] * (sizes["tensor"] if cfg.mesh.sequence_parallel else 1)
+  if length > 0 and cfg.train.seq_len % length:
+    names = "mesh.context" + (" × mesh.tensor (sequence parallelism)" if cfg.mesh.sequence_parallel else "")
+    raise UserError(f"config key train.seq_len: {cfg.train.seq_len} tokens are not divisible by {names} = "
+                    f"{length}; change the sequence length or the mesh")
   shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   if shards > 0 and sizes["pipeline"] > 1 and cfg.train.batch_size % (shards * sizes["pipeline"]):
     raise UserError(f"config key train.batch_size: {cfg.train.batch_size} sequences is not divisible by the batch "

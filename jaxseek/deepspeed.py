@@ -52,7 +52,8 @@ class Translation:
 # DeepSpeed keys whose job XLA or jaxseek already does: (key or prefix, why no setting is needed).
 _NOT_NEEDED = {
     "zero_optimization.contiguous_gradients": "XLA lays out gradient buffers itself",
-    "zero_optimization.overlap_comm": "XLA's latency-hiding scheduler overlaps collectives (scripts/slurm/train.sbatch)",
+    "zero_optimization.overlap_comm": "XLA's latency-hiding scheduler overlaps collectives "
+                                      "(scripts/slurm/train.sbatch)",
     "zero_optimization.reduce_scatter": "XLA reduce-scatters gradients onto their fsdp shards",
     "zero_optimization.reduce_bucket_size": "collective combining: --xla_gpu_reduce_scatter_combine_threshold_bytes "
                                             "in scripts/slurm/train.sbatch",
@@ -403,7 +404,8 @@ def _optimizer(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
   decay = get("optimizer.params.weight_decay")
   out.set("optim.weight_decay", float(decay or 0.0), f"optimizer.params.weight_decay={decay}"
           if decay is not None else "optimizer.params.weight_decay=0 (DeepSpeed's Adam default)")
-  for key in ("optimizer.params.bias_correction", "optimizer.params.torch_adam", "optimizer.params.fp32_optimizer_states"):
+  for key in ("optimizer.params.bias_correction", "optimizer.params.torch_adam",
+              "optimizer.params.fp32_optimizer_states"):
     if key in flat:
       get(key)
       out.not_needed.append((key, "AdamW with bias correction, optimiser state as optim.moments_dtype says"))

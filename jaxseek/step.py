@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import flax.struct
@@ -256,7 +255,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
   new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
                          opt_state=keep(opt_state, opt_before), loss_window=window, loss_scale=loss_scale,
-                         good_steps=good_steps, overflow_budget=budget, grad_residual=keep(residual, state.grad_residual))
+                         good_steps=good_steps, overflow_budget=budget,
+                         grad_residual=keep(residual, state.grad_residual))
   return new_state, metrics
 
 
@@ -346,6 +346,9 @@ def update_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Arra
 
 def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
   """The jitted step: state and batch in their shardings, state donated."""
-  step = functools.partial(train_step, trainer, cfg)
+  def step(state, batch):
+    with rules.sequence_parallel(cfg.mesh.sequence_parallel):  # the activation rules the step is traced with
+      return train_step(trainer, cfg, state, batch)
+
   return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.pipeline.batch_shardings(mesh)),
                  out_shardings=(trainer.state_shardings, None), donate_argnums=0)

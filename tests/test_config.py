@@ -43,6 +43,8 @@ BAD_INPUT = [
     (["mesh.data=-1", "mesh.fsdp=-1"], "at most one mesh axis may be -1", "explicit"),
     (["train.microbatches=3"], "config key train.microbatches: 3 must divide train.batch_size=16", ""),
     (["model.n_group=3"], "config key model.n_group: 3 must divide model.n_routed_experts=8", ""),
+    (["mesh.data=2", "mesh.tensor=4", "mesh.sequence_parallel=true", "train.seq_len=30"],
+     "config key train.seq_len: 30 tokens are not divisible by mesh.context × mesh.tensor", "change the sequence"),
 ]
 
 

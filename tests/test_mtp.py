@@ -69,7 +69,7 @@ def test_mtp_loss_enters_training_with_its_weight():
     mtp = optax.softmax_cross_entropy_with_integer_labels(aux["mtp_logits"][0][:, :t - 1], batch["targets"][:, 1:])
     return ce + 0.5 * mtp.mean(), (ce, mtp.mean())
 
-  (_, (ce, mtp)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+  (_, (ce, mtp)), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
   np.testing.assert_allclose(metrics["loss"], ce, rtol=1e-5)
   np.testing.assert_allclose(metrics["mtp_loss"], mtp, rtol=1e-5)
   np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-5)

@@ -136,7 +136,7 @@ def test_zero1_equals_zero3_and_holds_what_the_explorer_predicts(mesh):
 def test_remat_policies_give_identical_losses():
   runs = {policy: losses(train("tiny-v3", ("mesh.data=2", "mesh.tensor=2", "mesh.fsdp=2",
                                            f"train.remat={policy}"), steps=3)[0])
-          for policy in ("none", "save_dots", "minimal", "full")}
+          for policy in ("none", "minimal", "full")}
   for policy, got in runs.items():
     np.testing.assert_allclose(got, runs["none"], rtol=1e-6, err_msg=policy)
 
@@ -192,8 +192,8 @@ def test_fp8_scales_each_tile_on_its_own():
 def test_fp8_training_tracks_bfloat16():
   base = ("mesh.data=1", "train.compute_dtype=bfloat16", "optim.warmup_steps=10", "optim.lr=0.003",
           "data.source=python-stdlib", "data.max_bytes=1000000")
-  ref, _, _ = train("tiny-v3", base, steps=50, devices=jax.devices()[:1])
-  got, _, _ = train("tiny-v3", (*base, "train.fp8=true"), steps=50, devices=jax.devices()[:1])
+  ref, _, _ = train("tiny-v3", base, steps=30, devices=jax.devices()[:1])
+  got, _, _ = train("tiny-v3", (*base, "train.fp8=true"), steps=30, devices=jax.devices()[:1])
   a, b = losses(ref), losses(got)
   assert not np.array_equal(a, b)  # the FP8 rounding is really applied
   assert b[-1] < 0.9 * b[0]  # it trains

@@ -11,7 +11,7 @@ from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.sharding.mesh import make_mesh
 
-MESHES = {"data8": (8, 1, 1), "fsdp8": (1, 8, 1), "d2f2t2": (2, 2, 2), "f2t4": (1, 2, 4)}
+MESHES = {"fsdp8": (1, 8, 1), "d2f2t2": (2, 2, 2), "f2t4": (1, 2, 4)}  # data alone: tests/test_moe.py's expert1
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 
 

@@ -45,7 +45,7 @@ class Embed(nnx.Module):
     # which XLA turns into a masked local lookup plus an all-reduce.
     table_VD = shard(self.table_VD[...].astype(self.dtype), ("vocab", None))
     x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
-    return shard(x_BTD, ("batch", "length", "embed"))
+    return shard(x_BTD, ("batch", "residual_length", "embed"))
 
 
 class MLP(nnx.Module):

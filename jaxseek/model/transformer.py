@@ -15,7 +15,8 @@ from jaxseek.model.moe import MoE
 from jaxseek.sharding import pipeline
 from jaxseek.sharding.rules import shard
 
-ACT_BTD = ("batch", "length", "embed")
+# the residual stream (its length also split over tensor under mesh.sequence_parallel)
+ACT_BTD = ("batch", "residual_length", "embed")
 
 
 class Block(nnx.Module):

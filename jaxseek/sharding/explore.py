@@ -21,6 +21,7 @@ from jaxseek.sharding import explore_comm as comm_lib
 from jaxseek.sharding import explore_layout as layout_lib
 from jaxseek.sharding import explore_memory as memory_lib
 from jaxseek.sharding import pipeline as pipeline_lib
+from jaxseek.sharding import rules as rules_lib
 from jaxseek.sharding.explore_comm import Hardware
 from jaxseek.sharding.explore_layout import Model, describe
 from jaxseek.sharding.mesh import resolve_sizes
@@ -92,6 +93,11 @@ def mesh_sizes(cfg: Config, devices: int | None) -> dict[str, int]:
 
 def plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> dict[str, Any]:
   """The whole analysis of one mesh as a JSON-ready dict (schema in docs/explore.md)."""
+  with rules_lib.sequence_parallel(model.cfg.mesh.sequence_parallel):  # the activation rules the step uses
+    return _plan(model, sizes, hw, platform)
+
+
+def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> dict[str, Any]:
   cfg = model.cfg
   if sizes["pipeline"] > 1:
     pipeline_lib.check_stacks(cfg, sizes["pipeline"])

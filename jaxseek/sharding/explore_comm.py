@@ -161,7 +161,7 @@ def _activations(cfg, sizes, micro, passes):
   t, p, ctx, S = sizes["tensor"], sizes["expert"], sizes["context"], sizes["pipeline"]
   tensor_count = tensor_bytes = a2a_count = a2a_bytes = kv_count = kv_bytes = 0.0
   for layers, runs, batch, where, moe in _layer_runs(cfg, sizes, micro):
-    x = em.attention_tensors(cfg, batch)[0].bytes(where)
+    x = em.stream(cfg, batch).bytes(where)
     tensor_count += runs * 2 * passes * layers
     tensor_bytes += runs * 2 * passes * layers * 2 * (t - 1) / t * x
     if moe:
@@ -174,9 +174,10 @@ def _activations(cfg, sizes, micro, passes):
       kv = kv.bytes(where) * kv.copies
       kv_count += runs * passes * layers
       kv_bytes += runs * passes * layers * (ctx - 1) * kv
-  ends = em.attention_tensors(cfg, cfg.train.batch_size if S > 1 else cfg.train.batch_size // micro)[0].bytes(sizes)
+  ends = em.stream(cfg, cfg.train.batch_size if S > 1 else cfg.train.batch_size // micro).bytes(sizes)
   ends_runs = 1 if S > 1 else micro
-  items = [("tensor", "all-reduce", "x[B,T,D] partial sums (attention out, MLP out; embedding, head)",
+  collective = "reduce-scatter + all-gather" if cfg.mesh.sequence_parallel else "all-reduce"
+  items = [("tensor", collective, "x[B,T,D] partial sums (attention out, MLP out; embedding, head)",
             tensor_count + 2 * ends_runs, tensor_bytes + 2 * ends_runs * 2 * (t - 1) / t * ends)]
   if m.is_moe and a2a_count:
     items.append(("expert", "all-to-all", "MoE dispatch buffers [P·C, D], out and back", a2a_count, a2a_bytes))
@@ -187,8 +188,8 @@ def _activations(cfg, sizes, micro, passes):
            if ex.pipelined(cfg, stack, S)]
   if piped:
     inner = {**sizes, "pipeline": 1}
-    x_micro = em.attention_tensors(cfg, cfg.train.batch_size // micro)[0].bytes(inner)
-    x_whole = em.attention_tensors(cfg, cfg.train.batch_size)[0].bytes(inner)
+    x_micro = em.stream(cfg, cfg.train.batch_size // micro).bytes(inner)
+    x_whole = em.stream(cfg, cfg.train.batch_size).bytes(inner)
     ticks = sum(pipeline_lib.num_ticks(S, micro, pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats))
                 for n in piped)
     items.append(("pipeline", "collective-permute", "x[B/M,T,D] to the next stage per tick, its gradient back",

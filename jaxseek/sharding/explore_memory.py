@@ -26,7 +26,7 @@ from typing import Any
 from jaxseek.config import MESH_AXES, Config
 from jaxseek.model import moe as moe_lib
 from jaxseek.sharding import explore_layout as ex
-from jaxseek.sharding.rules import ACTIVATION_RULES, spec
+from jaxseek.sharding.rules import ACTIVATION_RULES, activation_rules, spec
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "moe_dispatch", "gathered_weights", "other")
@@ -48,7 +48,7 @@ class Tensor:
   def bytes(self, sizes: dict[str, int]) -> int:
     """Bytes of one copy on one device."""
     total = self.itemsize
-    for dim, entry in zip(self.dims, spec(self.names, ACTIVATION_RULES)):
+    for dim, entry in zip(self.dims, spec(self.names, activation_rules())):
       axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
       total *= -(-dim // math.prod(sizes[a] for a in axes))
     return total
@@ -70,7 +70,10 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
   m, c = cfg.model, activation_itemsize(cfg, platform)
   B, T, D, N = batch, cfg.train.seq_len, m.hidden_size, m.num_attention_heads
   btd, btn, whole = ("batch", "length", None), ("batch", "length", "heads", None), ("batch", None, "heads", None)
-  out = [Tensor("x (residual, norms)", "x", "attention", "BTD", (B, T, D), btd, c, 6)]
+  # the residual stream and the norms on it (split over tensor too under sequence parallelism), and the norm
+  # outputs as the projections read them (whole on tensor)
+  out = [Tensor("x (residual, norms)", "x", "attention", "BTD", (B, T, D), ("batch", "residual_length", None), c, 4),
+         Tensor("norm outputs (projection inputs)", "x", "attention", "BTD", (B, T, D), btd, c, 2)]
   if m.is_mla:
     K, P = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     if m.q_lora_rank:
@@ -91,6 +94,12 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
   out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, T),
                     ("batch", "heads", "length", None), 4, 2))
   return out
+
+
+def stream(cfg: Config, batch: int, platform: str = "gpu") -> Tensor:
+  """x[B, T, D] as the collectives move it: split on the batch axes and context only."""
+  return Tensor("x", "x", "attention", "BTD", (batch, cfg.train.seq_len, cfg.model.hidden_size),
+                ("batch", "length", None), activation_itemsize(cfg, platform), 1)
 
 
 def context_gathered(cfg: Config, batch: int, platform: str = "gpu") -> Tensor:
@@ -174,7 +183,7 @@ def _row(t: Tensor, sizes: dict[str, int], where: str) -> dict[str, Any]:
     placement = f"{t.symbol}[{', '.join(t.letters)}] per device"
   else:
     axes = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
-                 for e in spec(t.names, ACTIVATION_RULES))
+                 for e in spec(t.names, activation_rules()))
     placement = ex.notation(t.symbol, t.letters, axes, sizes)
   return {"name": t.name, "layer": where, "scope": t.scope, "shape": list(t.dims), "dtype_bytes": t.itemsize,
           "placement": placement, "copies": t.copies, "bytes_per_device": t.bytes(sizes) * t.copies}
@@ -254,7 +263,7 @@ def kept_copies(t: Tensor, policy: str) -> int:
     return 1 if t.name in ("q latent", "kv latent", "attention out", "q, attention out") else 0
   if policy == "save_dots":
     if t.name in ("scores, probabilities", "dispatch rows", "dispatch masks", "expert weights (gathered)",
-                  "blocked rows in and out"):
+                  "blocked rows in and out", "norm outputs (projection inputs)"):
       return 0
     return min(t.copies, 2)  # projections: gate and up (MLP), q/k/v, latents; not their elementwise products
   return 0

@@ -5,6 +5,9 @@ In the scaling-book notation the defaults are:
 
   parameters   W_q[D_fsdp, N_tensor, H], W_gate[D_fsdp, F_tensor], W_down[F_tensor, D_fsdp], E[V_tensor, D_fsdp]
   activations  x[B_(pipeline,data,fsdp,expert), T_context, D]
+  with mesh.sequence_parallel: the residual stream x[B, T_(context,tensor), D] between the tensor-parallel
+  regions (Megatron-style sequence parallelism: norms on 1/tensor of the tokens, all-reduces become
+  reduce-scatter + all-gather)
 
 FSDP (ZeRO-3) is "embed → fsdp" for parameters: XLA all-gathers each weight before use and reduce-scatters its
 gradient (ZeRO-3). With train.zero=1 parameters stay whole on fsdp and only the optimiser state is split there
@@ -49,6 +52,7 @@ def state_rules(kind: str, zero: int) -> Rules:
 ACTIVATION_RULES: Rules = {
     "batch": ("pipeline", "data", "fsdp", "expert"),
     "length": ("context",),
+    "residual_length": ("context",),  # the residual stream's tokens (sequence parallelism: and tensor)
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -60,7 +64,7 @@ ACTIVATION_RULES: Rules = {
 
 # Every logical name the model may use; those absent from a table are replicated.
 LOGICAL_AXES = frozenset(
-    {"batch", "length", "embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp",
+    {"batch", "length", "residual_length", "embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp",
      "expert_mlp", "experts", "layers", "stages", "data_shards"})
 
 
@@ -75,6 +79,27 @@ def spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return PartitionSpec(*out)
+
+
+_SEQUENCE_PARALLEL: contextvars.ContextVar[bool] = contextvars.ContextVar("sequence_parallel", default=False)
+
+
+@contextlib.contextmanager
+def sequence_parallel(on: bool):
+  """While tracing inside, the residual stream is split on its length over `tensor` too (mesh.sequence_parallel)."""
+  token = _SEQUENCE_PARALLEL.set(on)
+  try:
+    yield
+  finally:
+    _SEQUENCE_PARALLEL.reset(token)
+
+
+def activation_rules() -> Rules:
+  """The activation table in force: ACTIVATION_RULES, with "residual_length" also on tensor under sequence
+  parallelism."""
+  if _SEQUENCE_PARALLEL.get():
+    return {**ACTIVATION_RULES, "residual_length": ("context", "tensor")}
+  return ACTIVATION_RULES
 
 
 _RESERVED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("reserved_axes", default=frozenset())
@@ -102,7 +127,7 @@ def _automatic(rules: Rules) -> Rules:
 
 
 def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
-  return spec(names, _automatic(ACTIVATION_RULES))
+  return spec(names, _automatic(activation_rules()))
 
 
 def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
