@@ -59,6 +59,9 @@ class ModelConfig:
   # expert-axis shard).
   moe_capacity_factor: float | None = None
   moe_max_expert_shards: int | None = None
+  # MLA under context parallelism (jaxseek's own key): "gather" the latent over the axis at once, or pass its
+  # chunks round a "ring" (keys and values expanded one chunk at a time: less memory, more sequential steps).
+  context_attention: Literal["gather", "ring"] = "gather"
   # Position encoding.
   max_position_embeddings: int = 4096
   rope_theta: float = 10000.0
@@ -408,6 +411,9 @@ def validate(cfg: Config) -> None:
   if m.num_nextn_predict_layers >= t.seq_len:
     raise UserError(f"config key model.num_nextn_predict_layers: {m.num_nextn_predict_layers} must be below "
                     f"train.seq_len={t.seq_len}")
+  if m.context_attention == "ring" and not m.is_mla:
+    raise UserError("config key model.context_attention: ring passes the MLA latent round the context axis, and "
+                    "this model has no MLA (kv_lora_rank is null); use gather")
   if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
     raise UserError(f"config key model.moe_capacity_factor: {m.moe_capacity_factor} must be > 0, or null for "
                     f"dropless dispatch")

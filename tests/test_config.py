@@ -77,3 +77,10 @@ def test_command_line_exit_status(run_env, tmp_path):
   assert proc.stderr.strip().splitlines() == [
       "error: config key model.num_attention_heads: 4 is not divisible by mesh.tensor=8; change the mesh or the "
       "model size"]
+
+
+def test_ring_attention_needs_mla():
+  from jaxseek.errors import UserError
+
+  with pytest.raises(UserError, match="model.context_attention: ring passes the MLA latent"):
+    config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=ring"])

@@ -18,10 +18,13 @@ from test_pipeline import run
 PACKED = ("data.source=python-stdlib", "data.max_bytes=200000", "train.seq_len=64")
 
 
+RING = ("model.context_attention=ring",)
+
+
 @pytest.mark.parametrize("name, context, extra", [
-    ("tiny-v3", 2, ()), ("tiny-v3", 8, ()), ("tiny-dense", 4, ()),  # tiny-dense: grouped-query attention
+    ("tiny-v3", 2, RING), ("tiny-v3", 8, ()), ("tiny-dense", 4, ()),  # tiny-dense: grouped-query attention
     ("tiny-v3", 4, PACKED),  # packed documents: segment ids split over the axis too
-], ids=["v3-c2", "v3-c8", "dense-c4", "v3-c4-packed"])
+], ids=["v3-c2-ring", "v3-c8", "dense-c4", "v3-c4-packed"])
 def test_context_parallel_training_equals_single_device(name, context, extra):
   """Losses and gradient norms over 5 steps (MoE bias ranges and loads too) equal one device's."""
   single = run(name, ("mesh.data=1", *extra), jax.devices()[:1])
@@ -31,7 +34,9 @@ def test_context_parallel_training_equals_single_device(name, context, extra):
 
 def test_mla_gathers_the_latent_not_the_heads():
   """With queries split over context, the forward's context all-gathers carry the compressed key/value latent
-  [.., T, C] and the shared rope key [.., T, 1, R]: C + R numbers per token, not N heads × (H + R + P)."""
+  [.., T, C] and the shared rope key [.., T, 1, R]: C + R numbers per token, not N heads × (H + R + P). The
+  backward reduce-scatters their gradients at the same size; no expanded key or value gradient over the whole
+  sequence is all-reduced."""
   cfg = load_config("tiny-v3", "mesh.context=4", "mesh.data=2", "train.seq_len=64")
   mesh = make_mesh(cfg)
   trainer = step_lib.make_trainer(cfg, mesh)
@@ -39,11 +44,36 @@ def test_mla_gathers_the_latent_not_the_heads():
     text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
                                                           next(global_batches(cfg, mesh))).compile().as_text()
   sizes = tuple(mesh.shape[a] for a in MESH_AXES)
-  shapes = {tuple(int(d) for d in m.group(1).split(",")) for line in text.splitlines()
-            if (m := re.search(r"= f32\[([\d,]+)\]\S* all-gather(?:-start)?\(", line))
-            and explore_compile.collective_axes(line, sizes) == ("context",)}
+  found = {"all-gather": set(), "reduce-scatter": set(), "all-reduce": set()}
+  for line in text.splitlines():
+    match = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
+    if match and explore_compile.collective_axes(line, sizes) == ("context",):
+      found[match.group(2)] |= {tuple(int(d) for d in dims.split(","))
+                                for dims in re.findall(r"f32\[([\d,]+)\]", match.group(1))}
   m = cfg.model
-  assert shapes == {(8, 64, m.kv_lora_rank), (8, 64, 1, m.qk_rope_head_dim)}, shapes
+  assert found["all-gather"] == {(8, 64, m.kv_lora_rank), (8, 64, 1, m.qk_rope_head_dim)}, found
+  assert found["reduce-scatter"] == {(8, 16, m.kv_lora_rank), (8, 16, 1, m.qk_rope_head_dim)}, found
+  assert not [s for s in found["all-reduce"] if 64 in s], found  # weight gradients only, no [.., 64, ..]
+
+
+def test_ring_passes_latent_chunks_and_holds_less():
+  """model.context_attention=ring: the latent and rope key travel round the context axis by collective-permute
+  (nothing is all-gathered over it), and the compiled step needs less temporary memory than the gather."""
+  def compiled(mode):
+    cfg = load_config("tiny-v3", "mesh.context=4", "mesh.data=2", "train.seq_len=256",
+                      f"model.context_attention={mode}")
+    mesh = make_mesh(cfg)
+    trainer = step_lib.make_trainer(cfg, mesh)
+    with jax.set_mesh(mesh):
+      out = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
+                                                           next(global_batches(cfg, mesh))).compile()
+    counts = explore_compile.count_collectives(out.as_text(), tuple(mesh.shape[a] for a in MESH_AXES))
+    return {k: v.get("context", 0) for k, v in counts.items()}, out.memory_analysis().temp_size_in_bytes
+
+  (gather, gather_temp), (ring, ring_temp) = compiled("gather"), compiled("ring")
+  assert gather.get("all-gather", 0) > 0 and gather.get("collective-permute", 0) == 0, gather
+  assert ring.get("all-gather", 0) == 0 and ring.get("collective-permute", 0) > 0, ring
+  assert ring_temp < 0.6 * gather_temp, (ring_temp, gather_temp)
 
 
 def test_sequence_parallel_training_equals_single_device():

@@ -5,6 +5,8 @@ Both go through `attend`, the one softmax-attention function (causal, packed-seg
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxseek.config import ModelConfig
 from jaxseek.model.layers import RMSNorm, param
 from jaxseek.model.rope import apply_rope, inverse_frequencies, softmax_scale_factor
+from jaxseek.sharding import rules
 from jaxseek.sharding.rules import shard
 
 
@@ -23,19 +26,21 @@ def rope_tables(dim: int, cfg: ModelConfig) -> tuple[tuple[float, ...], float]:
 
 
 def attend(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, segment_ids_BT: jax.Array | None,
-           scale: float) -> jax.Array:
+           scale: float, key_segment_ids_BS: jax.Array | None = None, query_offset: jax.Array | int = 0) -> jax.Array:
   """softmax(q·kᵀ · scale + mask) · v with G ≤ N key/value heads (N/G query heads share one, "n" below).
 
-  The mask is causal and, with packed sequences, keeps each token inside its own segment.
+  The mask is causal and, with packed sequences, keeps each token inside its own segment. The queries may be a
+  slice of the sequence starting at `query_offset`, with the keys' segment ids given apart (context parallelism).
   """
   B, T, N, H = q_BTNH.shape
   G = k_BSGH.shape[2]
   q_BTGnH = q_BTNH.reshape(B, T, G, N // G, H)
   scores_BGnTS = jnp.einsum("BTGnH,BSGH->BGnTS", q_BTGnH, k_BSGH, preferred_element_type=jnp.float32) * scale
   S = k_BSGH.shape[1]
-  mask_BTS = jnp.tril(jnp.ones((T, S), bool))[None]
+  mask_BTS = ((query_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :])[None]
   if segment_ids_BT is not None:
-    mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    keys_BS = segment_ids_BT if key_segment_ids_BS is None else key_segment_ids_BS
+    mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == keys_BS[:, None, :])
   scores_BGnTS = jnp.where(mask_BTS[:, None, None], scores_BGnTS, jnp.finfo(jnp.float32).min)
   probs_BGnTS = jax.nn.softmax(scores_BGnTS, axis=-1).astype(v_BSGP.dtype)
   out_BTGnP = jnp.einsum("BGnTS,BSGP->BTGnP", probs_BGnTS, v_BSGP)
@@ -98,6 +103,7 @@ class MLA(nnx.Module):
     self.inv_freq, self.rope_factor = rope_tables(R, cfg)
     self.scale = (H + R) ** -0.5 * softmax_scale_factor(cfg.rope_scaling)
     self.q_lora = bool(Q)
+    self.ring = cfg.context_attention == "ring"
     self.dtype = dtype
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -113,18 +119,106 @@ class MLA(nnx.Module):
     kr_BT1R = jnp.einsum("BTD,DR->BTR", x_BTD, w(self.w_kr_DR))[:, :, None, :]
     qr_BTNR = apply_rope(qr_BTNR, positions_BT, self.inv_freq, self.rope_factor)
     kr_BT1R = apply_rope(kr_BT1R, positions_BT, self.inv_freq, self.rope_factor)
-    # Context parallelism (queries split on length over `context`): every query needs every key, so the keys
-    # and values' source is gathered over the axis: the compressed latent and the shared rope key, C + R
-    # numbers per token, and the heads are expanded from them locally (S: the whole length).
+    q_BTNK = shard(jnp.concatenate([q_BTNH, qr_BTNR], -1), ("batch", "length", "heads", None))
+    if split_over_context():
+      out_BTNP = context_attention(q_BTNK, ckv_BTC, kr_BT1R, w(self.w_uk_CNH), w(self.w_uv_CNP), segment_ids_BT,
+                                   self.scale, ring=self.ring)
+      return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
+    # (S: the whole length; without a context axis it is T)
     ckv_BSC = shard(ckv_BTC, ("batch", None, None))
     kr_BS1R = shard(kr_BT1R, ("batch", None, None, None))
     k_BSNH = jnp.einsum("BSC,CNH->BSNH", ckv_BSC, w(self.w_uk_CNH))
     v_BSNP = shard(jnp.einsum("BSC,CNP->BSNP", ckv_BSC, w(self.w_uv_CNP)), ("batch", None, "heads", None))
     kr_BSNR = jnp.broadcast_to(kr_BS1R, (*k_BSNH.shape[:3], kr_BS1R.shape[-1]))
-    q_BTNK = shard(jnp.concatenate([q_BTNH, qr_BTNR], -1), ("batch", "length", "heads", None))
     k_BSNK = shard(jnp.concatenate([k_BSNH, kr_BSNR], -1), ("batch", None, "heads", None))
     out_BTNP = attend(q_BTNK, k_BSNK, v_BSNP, segment_ids_BT, self.scale)
     return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
+
+
+def split_over_context() -> bool:
+  """Whether the active mesh splits the length over an automatic (not yet manual) axis of size > 1."""
+  if not rules.has_mesh():
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in rules.mesh_axes("length")) > 1
+
+
+def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_BT, scale, ring=False):
+  """MLA attention with the queries split over `context`, inside `jax.shard_map`: each device all-gathers the
+  compressed latent and the rope key (C + R numbers per token), expands the key and value heads locally and
+  attends its queries (a slice of the sequence at offset index · t) to the whole sequence. In the backward pass
+  the all-gather's transpose reduce-scatters the latent's and rope key's gradients, at the same C + R size,
+  where GSPMD alone would all-reduce the expanded keys' and values' gradients (N·(H + R + P) per token).
+  With `ring`, the latent chunks travel round the context ring instead (`ring_attention`).
+  Lowercase letters are local shards: t = T / context, n = N / tensor."""
+  length = rules.mesh_axes("length")
+  packed = segment_ids_BT is not None
+  size = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in length)
+
+  def local(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, *segments):
+    gathered = lambda a: jax.lax.all_gather(a, length, axis=1, tiled=True)
+    ckv_bSC, kr_bS1R = gathered(ckv_btC), gathered(kr_bt1R)
+    k_bSnH = jnp.einsum("bSC,CnH->bSnH", ckv_bSC, w_uk_CnH)
+    v_bSnP = jnp.einsum("bSC,CnP->bSnP", ckv_bSC, w_uv_CnP)
+    kr_bSnR = jnp.broadcast_to(kr_bS1R, (*k_bSnH.shape[:3], kr_bS1R.shape[-1]))
+    k_bSnK = jnp.concatenate([k_bSnH, kr_bSnR], -1)
+    offset = jax.lax.axis_index(length) * q_btnK.shape[1]
+    seg_bt = segments[0] if packed else None
+    if ring:
+      return ring_attention(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, seg_bt, scale, length, size)
+    seg_bS = gathered(seg_bt) if packed else None
+    return attend(q_btnK, k_bSnK, v_bSnP, seg_bt, scale, seg_bS, offset)
+
+  spec = rules.activation_spec
+  in_specs = (spec(("batch", "length", "heads", None)), spec(("batch", "length", None)),
+              spec(("batch", "length", None, None)), spec((None, "heads", None)), spec((None, "heads", None)))
+  args = (q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP)
+  if packed:
+    in_specs, args = in_specs + (spec(("batch", "length")),), args + (segment_ids_BT,)
+  return jax.shard_map(local, in_specs=in_specs, out_specs=spec(("batch", "length", "heads", None)))(*args)
+
+
+def ring_attention(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, seg_bt, scale, axes, size):
+  """Inside shard_map: `size` steps; at step r a device holds the latent, rope key and segment ids of the chunk
+  that started on device (me − r) mod size, expands that chunk's keys and values, folds its scores into an
+  online softmax (running max, sum and output), and passes the chunk on with a collective-permute. Each step is
+  rematerialised in the backward pass, so only one chunk's keys, values and scores [b, n, t, t] are live at a
+  time instead of the whole sequence's; the chunk gradients travel back round the ring at the latent's size."""
+  me, t = jax.lax.axis_index(axes), q_btnK.shape[1]
+  q_pos = me * t + jnp.arange(t)
+  neg = jnp.finfo(jnp.float32).min
+  perm = [(i, (i + 1) % size) for i in range(size)]
+
+  def step(carry, r):
+    chunk, (out_bntP, max_bnt, sum_bnt) = carry
+    ckv_bsC, kr_bs1R = chunk[:2]
+    k_bsnH = jnp.einsum("bsC,CnH->bsnH", ckv_bsC, w_uk_CnH)
+    k_bsnK = jnp.concatenate([k_bsnH, jnp.broadcast_to(kr_bs1R, (*k_bsnH.shape[:3], kr_bs1R.shape[-1]))], -1)
+    v_bsnP = jnp.einsum("bsC,CnP->bsnP", ckv_bsC, w_uv_CnP)
+    scores_bnts = jnp.einsum("btnK,bsnK->bnts", q_btnK, k_bsnK, preferred_element_type=jnp.float32) * scale
+    k_pos = ((me - r) % size) * t + jnp.arange(t)
+    mask_bts = (q_pos[:, None] >= k_pos[None, :])[None]
+    if seg_bt is not None:
+      mask_bts = mask_bts & (seg_bt[:, :, None] == chunk[2][:, None, :])
+    scores_bnts = jnp.where(mask_bts[:, None], scores_bnts, neg)
+    new_max = jnp.maximum(max_bnt, scores_bnts.max(-1))
+    probs_bnts = jnp.exp(scores_bnts - new_max[..., None]) * mask_bts[:, None]  # a fully masked row adds 0
+    fade = jnp.exp(max_bnt - new_max)
+    out_bntP = out_bntP * fade[..., None] + jnp.einsum("bnts,bsnP->bntP", probs_bnts.astype(v_bsnP.dtype), v_bsnP,
+                                                        preferred_element_type=jnp.float32)
+    chunk = jax.lax.ppermute(chunk, axes, perm)
+    return (chunk, (out_bntP, new_max, sum_bnt * fade + probs_bnts.sum(-1))), None
+
+  b, _, n, _ = q_btnK.shape
+  P = w_uv_CnP.shape[-1]
+  # the running values vary over every mesh axis their inputs vary over (a scan carry must keep its type)
+  zero = sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in (q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP))
+  chunk = (ckv_btC, kr_bt1R) + ((seg_bt,) if seg_bt is not None else ())
+  init = (chunk, (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), neg, jnp.float32) + zero,
+                  jnp.zeros((b, n, t), jnp.float32) + zero))
+  (_, (out_bntP, _, sum_bnt)), _ = jax.lax.scan(jax.checkpoint(step), init, jnp.arange(size))
+  out_btnP = jnp.transpose(out_bntP / sum_bnt[..., None], (0, 2, 1, 3)).astype(q_btnK.dtype)
+  return checkpoint_name(out_btnP, "attn_context")
 
 
 def make_attention(cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs) -> nnx.Module:

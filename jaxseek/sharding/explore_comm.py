@@ -160,6 +160,7 @@ def _activations(cfg, sizes, micro, passes):
   m = cfg.model
   t, p, ctx, S = sizes["tensor"], sizes["expert"], sizes["context"], sizes["pipeline"]
   tensor_count = tensor_bytes = a2a_count = a2a_bytes = kv_count = kv_bytes = 0.0
+  ring = m.is_mla and m.context_attention == "ring"
   for layers, runs, batch, where, moe in _layer_runs(cfg, sizes, micro):
     x = em.stream(cfg, batch).bytes(where)
     tensor_count += runs * 2 * passes * layers
@@ -172,8 +173,9 @@ def _activations(cfg, sizes, micro, passes):
     if ctx > 1:
       kv = em.context_gathered(cfg, batch)
       kv = kv.bytes(where) * kv.copies
-      kv_count += runs * passes * layers
-      kv_bytes += runs * passes * layers * (ctx - 1) * kv
+      sends = ctx if ring else 1  # a ring passes one chunk per step, a gather collects ctx - 1 chunks at once
+      kv_count += runs * passes * layers * sends
+      kv_bytes += runs * passes * layers * (ctx if ring else ctx - 1) * kv
   ends = em.stream(cfg, cfg.train.batch_size if S > 1 else cfg.train.batch_size // micro).bytes(sizes)
   ends_runs = 1 if S > 1 else micro
   collective = "reduce-scatter + all-gather" if cfg.mesh.sequence_parallel else "all-reduce"
@@ -183,7 +185,11 @@ def _activations(cfg, sizes, micro, passes):
     items.append(("expert", "all-to-all", "MoE dispatch buffers [P·C, D], out and back", a2a_count, a2a_bytes))
   if ctx > 1:
     what = "MLA latent and rope key [B,T,C+R]" if m.is_mla else "keys and values"
-    items.append(("context", "all-gather", f"{what} per layer (gradients reduce-scattered)", kv_count, kv_bytes))
+    if ring:
+      items.append(("context", "collective-permute", f"{what} chunks round the ring, per layer and step (their "
+                    f"gradients back)", kv_count, kv_bytes))
+    else:
+      items.append(("context", "all-gather", f"{what} per layer (gradients reduce-scattered)", kv_count, kv_bytes))
   piped = [n for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers))
            if ex.pipelined(cfg, stack, S)]
   if piped:

@@ -69,6 +69,9 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
   gathers its latent and rope key and expands them on every device)."""
   m, c = cfg.model, activation_itemsize(cfg, platform)
   B, T, D, N = batch, cfg.train.seq_len, m.hidden_size, m.num_attention_heads
+  # a ring (model.context_attention) holds one chunk of the keys and values at a time, a gather all of them
+  ring = m.is_mla and m.context_attention == "ring" and context > 1
+  S = T // context if ring else T
   btd, btn, whole = ("batch", "length", None), ("batch", "length", "heads", None), ("batch", None, "heads", None)
   # the residual stream and the norms on it (split over tensor too under sequence parallelism), and the norm
   # outputs as the projections read them (whole on tensor)
@@ -79,19 +82,20 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
     if m.q_lora_rank:
       out.append(Tensor("q latent", "c_q", "attention", "BTQ", (B, T, m.q_lora_rank), btd, c, 3))
     out.append(Tensor("kv latent", "c_kv", "attention", "BTC", (B, T, m.kv_lora_rank), btd, c, 3))
-    if context > 1:
+    if context > 1 and not ring:
       out.append(dataclasses.replace(context_gathered(cfg, B, platform), name="kv latent, rope key (gathered)",
                                      names=("batch", None, None)))
+    kv = "one ring chunk" if ring else "whole sequence"
     out += [Tensor("q (H = nope + rope)", "q", "attention", "BTNH", (B, T, N, K), btn, c, 1),
-            Tensor("k (whole sequence)", "k", "attention", "BTNH", (B, T, N, K), whole, c, 1),
-            Tensor("v (whole sequence)", "v", "attention", "BTNP", (B, T, N, P), whole, c, 1),
+            Tensor(f"k ({kv})", "k", "attention", "BTNH", (B, S, N, K), whole, c, 1),
+            Tensor(f"v ({kv})", "v", "attention", "BTNP", (B, S, N, P), whole, c, 1),
             Tensor("attention out", "o", "attention", "BTNP", (B, T, N, P), btn, c, 1)]
   else:
     H, G = m.dense_head_dim, m.kv_heads
     out += [Tensor("q, attention out", "q", "attention", "BTNH", (B, T, N, H), btn, c, 2),
             Tensor("k, v (whole sequence)", "k", "attention", "BTGH", (B, T, G, H), ("batch", None, "kv_heads", None),
                    c, 2)]
-  out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, T),
+  out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, S),
                     ("batch", "heads", "length", None), 4, 2))
   return out
 
