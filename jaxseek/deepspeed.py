@@ -228,20 +228,20 @@ def _int(key: str, value: Any) -> int:
 
 def _parallelism(get, out: Translation, cluster: Cluster, flat: dict[str, Any]) -> None:
   """World size → pipeline × tensor × data-parallel; ZeRO stage → where the data-parallel ranks go; batch."""
-  pp, pp_key = 1, None
-  for key in ("pipeline_parallelism.stages", "pipeline.stages", "pipeline_parallel_size",
-              "pipeline_model_parallel_size"):
-    value = get(key)
-    if value is not None:
-      pp, pp_key = _int(key, value), key
+  def size(*keys: str) -> tuple[int, str | None]:  # the last of `keys` the file sets (all are read)
+    found = (1, None)
+    for key in keys:
+      value = get(key)
+      if value is not None:
+        found = (_int(key, value), key)
+    return found
+
+  pp, pp_key = size("pipeline_parallelism.stages", "pipeline.stages", "pipeline_parallel_size",
+                    "pipeline_model_parallel_size")
   if get("pipeline_parallelism.enabled", True) is False:
     pp = 1
-  tp, tp_key = 1, None
-  for key in ("tensor_parallel.autotp_size", "tensor_parallel.tp_size", "tensor_parallel.tp.tp_size",
-              "tensor_model_parallel_size"):
-    value = get(key)
-    if value is not None:
-      tp, tp_key = _int(key, value), key
+  tp, tp_key = size("tensor_parallel.autotp_size", "tensor_parallel.tp_size", "tensor_parallel.tp.tp_size",
+                    "tensor_model_parallel_size")
   world = cluster.devices
   if world % (pp * tp):
     raise UserError(f"{world} devices ({cluster.nodes} nodes × {cluster.gpus_per_node}) are not divisible by "
@@ -376,11 +376,17 @@ def _precision(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
     unmapped("data_types.grad_accum_dtype", "gradients are always accumulated in float32")
 
 
+def _block_type(get, unmapped, flat: dict[str, Any], section: str, kept: str) -> Any:
+  """`section.type`, or None (listed when the section is there without a type: `kept` stays as the base has it)."""
+  kind = get(f"{section}.type")
+  if kind is None and any(k.startswith(section + ".") for k in flat):
+    unmapped(section, f"no {section}.type; the base config's {kept} is kept")
+  return kind
+
+
 def _optimizer(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
-  kind = get("optimizer.type")
+  kind = _block_type(get, unmapped, flat, "optimizer", "optimiser")
   if kind is None:
-    if any(k.startswith("optimizer.") for k in flat):
-      unmapped("optimizer", "no optimizer.type; the base config's optim settings are kept")
     return
   if str(kind).lower() not in _ADAM:
     out.unmapped.append(("optimizer.type", f"{kind}: jaxseek trains with AdamW only; its lr, betas, eps and "
@@ -412,10 +418,8 @@ def _optimizer(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
 
 
 def _scheduler(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
-  kind = get("scheduler.type")
+  kind = _block_type(get, unmapped, flat, "scheduler", "schedule")
   if kind is None:
-    if any(k.startswith("scheduler.") for k in flat):
-      unmapped("scheduler", "no scheduler.type; the base config's schedule is kept")
     return
   if kind not in _SCHEDULERS:
     unmapped("scheduler.type", f"{kind}: jaxseek schedules are warm-up then cosine, warm-up-stable-decay or "

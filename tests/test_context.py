@@ -56,19 +56,25 @@ def test_mla_gathers_the_latent_not_the_heads():
   assert not [s for s in found["all-reduce"] if 64 in s], found  # weight gradients only, no [.., 64, ..]
 
 
+def compiled_collectives(name, *overrides):
+  """{collective: {mesh axes: count}} of the compiled step, and XLA's temporary bytes per device."""
+  cfg = load_config(name, *overrides)
+  mesh = make_mesh(cfg)
+  trainer = step_lib.make_trainer(cfg, mesh)
+  with jax.set_mesh(mesh):
+    out = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
+                                                         next(global_batches(cfg, mesh))).compile()
+  counts = explore_compile.count_collectives(out.as_text(), tuple(mesh.shape[a] for a in MESH_AXES))
+  return counts, out.memory_analysis().temp_size_in_bytes
+
+
 def test_ring_passes_latent_chunks_and_holds_less():
   """model.context_attention=ring: the latent and rope key travel round the context axis by collective-permute
   (nothing is all-gathered over it), and the compiled step needs less temporary memory than the gather."""
   def compiled(mode):
-    cfg = load_config("tiny-v3", "mesh.context=4", "mesh.data=2", "train.seq_len=256",
-                      f"model.context_attention={mode}")
-    mesh = make_mesh(cfg)
-    trainer = step_lib.make_trainer(cfg, mesh)
-    with jax.set_mesh(mesh):
-      out = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
-                                                           next(global_batches(cfg, mesh))).compile()
-    counts = explore_compile.count_collectives(out.as_text(), tuple(mesh.shape[a] for a in MESH_AXES))
-    return {k: v.get("context", 0) for k, v in counts.items()}, out.memory_analysis().temp_size_in_bytes
+    counts, temp = compiled_collectives("tiny-v3", "mesh.context=4", "mesh.data=2", "train.seq_len=256",
+                                        f"model.context_attention={mode}")
+    return {k: v.get("context", 0) for k, v in counts.items()}, temp
 
   (gather, gather_temp), (ring, ring_temp) = compiled("gather"), compiled("ring")
   assert gather.get("all-gather", 0) > 0 and gather.get("collective-permute", 0) == 0, gather
@@ -89,14 +95,8 @@ def test_sequence_parallel_gathers_the_norm_outputs_over_tensor():
   all-reduced); with it the residual stream is split there, so the norm outputs are all-gathered before the
   projections, and the compiled step's temporaries shrink (the residual stream is stored split)."""
   def compiled(sp):
-    cfg = load_config("tiny-dense", "mesh.data=4", "mesh.tensor=2", f"mesh.sequence_parallel={sp}")
-    mesh = make_mesh(cfg)
-    trainer = step_lib.make_trainer(cfg, mesh)
-    with jax.set_mesh(mesh):
-      out = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
-                                                           next(global_batches(cfg, mesh))).compile()
-    counts = explore_compile.count_collectives(out.as_text(), tuple(mesh.shape[a] for a in MESH_AXES))
-    return counts.get("all-gather", {}).get("tensor", 0), out.memory_analysis().temp_size_in_bytes
+    counts, temp = compiled_collectives("tiny-dense", "mesh.data=4", "mesh.tensor=2", f"mesh.sequence_parallel={sp}")
+    return counts.get("all-gather", {}).get("tensor", 0), temp
 
   (gathers_off, temp_off), (gathers_on, temp_on) = compiled("false"), compiled("true")
   assert gathers_off == 0 and gathers_on > 0, (gathers_off, gathers_on)
