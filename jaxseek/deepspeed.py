@@ -239,7 +239,7 @@ def _parallelism(get, out: Translation, cluster: Cluster, flat: dict[str, Any]) 
   pp, pp_key = size("pipeline_parallelism.stages", "pipeline.stages", "pipeline_parallel_size",
                     "pipeline_model_parallel_size")
   if get("pipeline_parallelism.enabled", True) is False:
-    pp = 1
+    pp, pp_key = 1, "pipeline_parallelism.enabled=false: no stages"
   tp, tp_key = size("tensor_parallel.autotp_size", "tensor_parallel.tp_size", "tensor_parallel.tp.tp_size",
                     "tensor_model_parallel_size")
   world = cluster.devices
@@ -251,7 +251,8 @@ def _parallelism(get, out: Translation, cluster: Cluster, flat: dict[str, Any]) 
   if stage not in (0, 1, 2, 3):
     raise UserError(f"DeepSpeed key zero_optimization.stage: {stage!r} must be 0, 1, 2 or 3")
   where = f"{world} devices / (pipeline {pp} × tensor {tp})"
-  out.set("mesh.pipeline", pp, f"{pp_key}={pp}" if pp_key else "no pipeline stages in the file")
+  out.set("mesh.pipeline", pp, (pp_key if "=" in pp_key else f"{pp_key}={pp}") if pp_key else
+          "no pipeline stages in the file")
   if stage == 0:
     out.set("mesh.data", dp, f"ZeRO stage 0: {dp} data-parallel replicas = {where}")
     out.set("mesh.fsdp", 1, "ZeRO stage 0: nothing sharded over the data-parallel ranks")
@@ -340,31 +341,7 @@ def _precision(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
     out.set("train.compute_dtype", "bfloat16", f"{key}=true")
   elif fp16:
     out.set("train.compute_dtype", "float16", "fp16.enabled=true (with dynamic loss scaling)")
-    static = get("fp16.loss_scale", 0)
-    power = get("fp16.initial_scale_power")
-    window = get("fp16.loss_scale_window")
-    hysteresis = get("fp16.hysteresis")
-    floor = get("fp16.min_loss_scale")
-    if static:
-      out.set("train.loss_scale_init", float(static), f"fp16.loss_scale={static}: a static scale")
-      out.set("train.loss_scale_min", float(static), f"fp16.loss_scale={static}: never halved")
-      out.set("train.loss_scale_window", 2**31 - 1, f"fp16.loss_scale={static}: never grown")
-      for key in ("fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis", "fp16.min_loss_scale"):
-        if key in flat:
-          out.not_needed.append((key, "fp16.loss_scale sets a static scale, which DeepSpeed also uses instead"))
-      return
-    power = 16 if power is None else power
-    out.set("train.loss_scale_init", float(2**power), f"fp16.initial_scale_power={power}" +
-            (" (DeepSpeed's default)" if "fp16.initial_scale_power" not in flat else ""))
-    window = 1000 if window is None else window
-    out.set("train.loss_scale_window", _int("fp16.loss_scale_window", window), f"fp16.loss_scale_window={window}" +
-            (" (DeepSpeed's default)" if "fp16.loss_scale_window" not in flat else ""))
-    hysteresis = 2 if hysteresis is None else hysteresis
-    out.set("train.loss_scale_hysteresis", _int("fp16.hysteresis", hysteresis), f"fp16.hysteresis={hysteresis}" +
-            (" (DeepSpeed's default)" if "fp16.hysteresis" not in flat else ""))
-    floor = 1 if floor is None else floor
-    out.set("train.loss_scale_min", float(floor), f"fp16.min_loss_scale={floor}" +
-            (" (DeepSpeed's default)" if "fp16.min_loss_scale" not in flat else ""))
+    _loss_scale(get, out, flat)
   else:
     out.set("train.compute_dtype", "float32", "neither fp16 nor bf16 enabled: DeepSpeed computes in float32")
   dtype = get("communication_data_type")
@@ -374,6 +351,35 @@ def _precision(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
   accum_dtype = flat.get("data_types.grad_accum_dtype")
   if accum_dtype not in (None, "fp32", "float32"):
     unmapped("data_types.grad_accum_dtype", "gradients are always accumulated in float32")
+
+
+def _loss_scale(get, out: Translation, flat: dict[str, Any]) -> None:
+  """The fp16 block's loss scaling, DeepSpeed's defaults written out; a nonzero `loss_scale` is a static scale."""
+  static = get("fp16.loss_scale", 0)
+  power = get("fp16.initial_scale_power")
+  window = get("fp16.loss_scale_window")
+  hysteresis = get("fp16.hysteresis")
+  floor = get("fp16.min_loss_scale")
+  if static:
+    out.set("train.loss_scale_init", float(static), f"fp16.loss_scale={static}: a static scale")
+    out.set("train.loss_scale_min", float(static), f"fp16.loss_scale={static}: never halved")
+    out.set("train.loss_scale_window", 2**31 - 1, f"fp16.loss_scale={static}: never grown")
+    for key in ("fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis", "fp16.min_loss_scale"):
+      if key in flat:
+        out.not_needed.append((key, "fp16.loss_scale sets a static scale, which DeepSpeed also uses instead"))
+    return
+  power = 16 if power is None else power
+  out.set("train.loss_scale_init", float(2**power), f"fp16.initial_scale_power={power}" +
+          (" (DeepSpeed's default)" if "fp16.initial_scale_power" not in flat else ""))
+  window = 1000 if window is None else window
+  out.set("train.loss_scale_window", _int("fp16.loss_scale_window", window), f"fp16.loss_scale_window={window}" +
+          (" (DeepSpeed's default)" if "fp16.loss_scale_window" not in flat else ""))
+  hysteresis = 2 if hysteresis is None else hysteresis
+  out.set("train.loss_scale_hysteresis", _int("fp16.hysteresis", hysteresis), f"fp16.hysteresis={hysteresis}" +
+          (" (DeepSpeed's default)" if "fp16.hysteresis" not in flat else ""))
+  floor = 1 if floor is None else floor
+  out.set("train.loss_scale_min", float(floor), f"fp16.min_loss_scale={floor}" +
+          (" (DeepSpeed's default)" if "fp16.min_loss_scale" not in flat else ""))
 
 
 def _block_type(get, unmapped, flat: dict[str, Any], section: str, kept: str) -> Any:

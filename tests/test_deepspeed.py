@@ -52,6 +52,8 @@ def test_batch_is_micro_times_accumulation_times_data_parallel_size():
     values({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
   with pytest.raises(UserError, match="not divisible by pipeline 3"):
     values({"pipeline": {"stages": 3}})
+  v, t = values({"pipeline_parallelism": {"enabled": False, "stages": 4}})
+  assert v["mesh.pipeline"] == 1 and t.sources["mesh.pipeline"].startswith("pipeline_parallelism.enabled=false")
 
 
 @pytest.mark.parametrize("stage, data, fsdp, zero", [(0, 8, 1, None), (1, 1, 8, 1), (2, 1, 8, 1), (3, 1, 8, 3)])
@@ -83,9 +85,10 @@ def test_fp16_block_and_deepspeed_defaults():
   assert (v["train.loss_scale_init"], v["train.loss_scale_window"], v["train.loss_scale_hysteresis"],
           v["train.loss_scale_min"]) == (65536.0, 1000, 2, 1.0)
   assert "DeepSpeed's default" in t.sources["train.loss_scale_hysteresis"]
-  v, _ = values({"fp16": {"enabled": True, "loss_scale": 128}})  # static: never halved, never grown
-  assert (v["train.loss_scale_init"], v["train.loss_scale_min"]) == (128.0, 128.0)
-  assert v["train.loss_scale_window"] >= 2**31 - 1
+  v, t = values({"fp16": {"enabled": True, "loss_scale": 128}, "communication_data_type": "fp16"})
+  assert (v["train.loss_scale_init"], v["train.loss_scale_min"]) == (128.0, 128.0)  # static: never halved
+  assert v["train.loss_scale_window"] >= 2**31 - 1  # nor grown
+  assert "train.grad_compression" in dict(t.unmapped)["communication_data_type"]  # the rules after it still run
 
 
 def test_bf16_and_float32():
