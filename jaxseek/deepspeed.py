@@ -227,7 +227,15 @@ def _int(key: str, value: Any) -> int:
 
 
 def _parallelism(get, out: Translation, cluster: Cluster, flat: dict[str, Any]) -> None:
-  """World size → pipeline × tensor × data-parallel; ZeRO stage → where the data-parallel ranks go; batch."""
+  """The mesh, offload and batch rules, in that order."""
+  pp, dp, stage = _mesh(get, out, cluster)
+  _offload(get, out, cluster, stage)
+  _batch(get, out, pp, dp)
+
+
+def _mesh(get, out: Translation, cluster: Cluster) -> tuple[int, int, int]:
+  """World size → pipeline × tensor × data-parallel; ZeRO stage → where the data-parallel ranks go. Returns
+  (pipeline stages, data-parallel size, ZeRO stage)."""
   def size(*keys: str) -> tuple[int, str | None]:  # the last of `keys` the file sets (all are read)
     found = (1, None)
     for key in keys:
@@ -270,7 +278,10 @@ def _parallelism(get, out: Translation, cluster: Cluster, flat: dict[str, Any]) 
   if cluster.platform == "cpu":
     out.set("mesh.num_cpu_devices", cluster.gpus_per_node, f"--platform cpu: {cluster.gpus_per_node} simulated "
             f"devices per process")
+  return pp, dp, stage
 
+
+def _offload(get, out: Translation, cluster: Cluster, stage: int) -> None:
   device = get("zero_optimization.offload_optimizer.device")
   if device == "cpu":
     if stage == 0:
@@ -294,6 +305,9 @@ def _parallelism(get, out: Translation, cluster: Cluster, flat: dict[str, Any]) 
                          "fsdp; if they do not fit, add devices to mesh.fsdp or mesh.pipeline (the explorer "
                          "shows the memory per device)"))
 
+
+def _batch(get, out: Translation, pp: int, dp: int) -> None:
+  """micro batch × accumulation × data-parallel size = the global batch; any two DeepSpeed keys give the third."""
   micro = get("train_micro_batch_size_per_gpu")
   accum = get("gradient_accumulation_steps")
   total = get("train_batch_size")

@@ -127,12 +127,17 @@ class MLA(nnx.Module):
     # (S: the whole length; without a context axis it is T)
     ckv_BSC = shard(ckv_BTC, ("batch", None, None))
     kr_BS1R = shard(kr_BT1R, ("batch", None, None, None))
-    k_BSNH = jnp.einsum("BSC,CNH->BSNH", ckv_BSC, w(self.w_uk_CNH))
-    v_BSNP = shard(jnp.einsum("BSC,CNP->BSNP", ckv_BSC, w(self.w_uv_CNP)), ("batch", None, "heads", None))
-    kr_BSNR = jnp.broadcast_to(kr_BS1R, (*k_BSNH.shape[:3], kr_BS1R.shape[-1]))
-    k_BSNK = shard(jnp.concatenate([k_BSNH, kr_BSNR], -1), ("batch", None, "heads", None))
+    k_BSNK, v_BSNP = expand_latent(ckv_BSC, kr_BS1R, w(self.w_uk_CNH), w(self.w_uv_CNP))
+    k_BSNK, v_BSNP = (shard(a, ("batch", None, "heads", None)) for a in (k_BSNK, v_BSNP))
     out_BTNP = attend(q_BTNK, k_BSNK, v_BSNP, segment_ids_BT, self.scale)
     return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
+
+
+def expand_latent(ckv_BSC, kr_BS1R, w_uk_CNH, w_uv_CNP) -> tuple[jax.Array, jax.Array]:
+  """MLA's keys [B, S, N, H + R] (the up-projected latent and the shared rope key) and values [B, S, N, P]."""
+  k_BSNH = jnp.einsum("BSC,CNH->BSNH", ckv_BSC, w_uk_CNH)
+  kr_BSNR = jnp.broadcast_to(kr_BS1R, (*k_BSNH.shape[:3], kr_BS1R.shape[-1]))
+  return jnp.concatenate([k_BSNH, kr_BSNR], -1), jnp.einsum("BSC,CNP->BSNP", ckv_BSC, w_uv_CNP)
 
 
 def split_over_context() -> bool:
@@ -158,10 +163,7 @@ def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_
   def local(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, *segments):
     gathered = lambda a: jax.lax.all_gather(a, length, axis=1, tiled=True)
     ckv_bSC, kr_bS1R = gathered(ckv_btC), gathered(kr_bt1R)
-    k_bSnH = jnp.einsum("bSC,CnH->bSnH", ckv_bSC, w_uk_CnH)
-    v_bSnP = jnp.einsum("bSC,CnP->bSnP", ckv_bSC, w_uv_CnP)
-    kr_bSnR = jnp.broadcast_to(kr_bS1R, (*k_bSnH.shape[:3], kr_bS1R.shape[-1]))
-    k_bSnK = jnp.concatenate([k_bSnH, kr_bSnR], -1)
+    k_bSnK, v_bSnP = expand_latent(ckv_bSC, kr_bS1R, w_uk_CnH, w_uv_CnP)
     offset = jax.lax.axis_index(length) * q_btnK.shape[1]
     seg_bt = segments[0] if packed else None
     if ring:
@@ -192,9 +194,7 @@ def ring_attention(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, seg_bt, scale, 
   def step(carry, r):
     chunk, (out_bntP, max_bnt, sum_bnt) = carry
     ckv_bsC, kr_bs1R = chunk[:2]
-    k_bsnH = jnp.einsum("bsC,CnH->bsnH", ckv_bsC, w_uk_CnH)
-    k_bsnK = jnp.concatenate([k_bsnH, jnp.broadcast_to(kr_bs1R, (*k_bsnH.shape[:3], kr_bs1R.shape[-1]))], -1)
-    v_bsnP = jnp.einsum("bsC,CnP->bsnP", ckv_bsC, w_uv_CnP)
+    k_bsnK, v_bsnP = expand_latent(ckv_bsC, kr_bs1R, w_uk_CnH, w_uv_CnP)
     scores_bnts = jnp.einsum("btnK,bsnK->bnts", q_btnK, k_bsnK, preferred_element_type=jnp.float32) * scale
     k_pos = ((me - r) % size) * t + jnp.arange(t)
     mask_bts = (q_pos[:, None] >= k_pos[None, :])[None]
