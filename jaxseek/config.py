@@ -59,6 +59,10 @@ class ModelConfig:
   # expert-axis shard).
   moe_capacity_factor: float | None = None
   moe_max_expert_shards: int | None = None
+  # The grouped matmul of the routed experts: "blocked" (rows padded per expert to blocks, one block's matmuls
+  # at a time: work ≈ the routed rows) or "ragged_dot" (`lax.ragged_dot`: a grouped GEMM where the backend has
+  # one, else a dense product with every expert); "auto" picks blocked on CPU, ragged_dot elsewhere.
+  moe_matmul: Literal["auto", "blocked", "ragged_dot"] = "auto"
   # MLA under context parallelism (jaxseek's own key): "gather" the latent over the axis at once, or pass its
   # chunks round a "ring" (keys and values expanded one chunk at a time: less memory, more sequential steps).
   context_attention: Literal["gather", "ring"] = "gather"

@@ -138,7 +138,8 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
          Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none * 2, a, 2),
          Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none * 2, 1, 2),
          Tensor("expert weights (gathered)", "w", "moe", "eDm", (e, D, mm), none * 3, c, 3)]
-  if platform == "cpu":  # moe.ffn_blocked: rows padded per expert to blocks of n, visited one block at a time
+  if moe_lib.matmul_kind(m.moe_matmul, platform) == "blocked":
+    # moe.ffn_blocked: rows padded per expert to blocks of n, visited one block at a time
     n = 2 ** int(math.log2(min(max(R // (4 * e), 8), 256)))
     blocks = -(-(R + e * (n - 1)) // n)
     out += [Tensor("blocked rows in and out", "rows", "moe", "RD", (blocks * n, D), none * 2, a, 2),
