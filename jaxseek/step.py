@@ -90,11 +90,6 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> Non
   if cfg.train.grad_compression != "none" and mesh.shape["pipeline"] > 1:
     raise UserError("config key train.grad_compression: not supported together with mesh.pipeline > 1 yet; "
                     "set train.grad_compression=none or mesh.pipeline=1")
-  m = cfg.model
-  if cfg.train.grad_compression != "none" and m.is_moe and (m.num_moe_layers or m.num_nextn_predict_layers):
-    raise UserError("config key train.grad_compression: supported for dense layers only so far (the MoE layer's "
-                    "expert dispatch does not run inside the per-data-shard gradient); set it to none for MoE "
-                    "models")
   if not backend:
     return
   platform = mesh.devices.flat[0].platform

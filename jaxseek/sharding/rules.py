@@ -115,6 +115,11 @@ def reserved(*axes: str):
     _RESERVED.reset(token)
 
 
+def reserved_axes() -> frozenset[str]:
+  """The axes `reserved` holds while tracing (none outside)."""
+  return _RESERVED.get()
+
+
 def _manual_axes() -> frozenset[str]:
   """Mesh axes the enclosing shard_map handles by hand or an enclosing vmap holds (none outside)."""
   mesh = jax.sharding.get_abstract_mesh()
