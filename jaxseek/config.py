@@ -63,8 +63,9 @@ class ModelConfig:
   # at a time: work ≈ the routed rows) or "ragged_dot" (`lax.ragged_dot`: a grouped GEMM where the backend has
   # one, else a dense product with every expert); "auto" picks blocked on CPU, ragged_dot elsewhere.
   moe_matmul: Literal["auto", "blocked", "ragged_dot"] = "auto"
-  # MLA under context parallelism (jaxseek's own key): "gather" the latent over the axis at once, or pass its
-  # chunks round a "ring" (keys and values expanded one chunk at a time: less memory, more sequential steps).
+  # Attention under context parallelism (jaxseek's own key): "gather" the keys and values (MLA: its latent) over
+  # the axis at once, or pass their chunks round a "ring" (one chunk's keys, values and scores at a time: less
+  # memory, more sequential steps).
   context_attention: Literal["gather", "ring"] = "gather"
   # Position encoding.
   max_position_embeddings: int = 4096
@@ -415,9 +416,6 @@ def validate(cfg: Config) -> None:
   if m.num_nextn_predict_layers >= t.seq_len:
     raise UserError(f"config key model.num_nextn_predict_layers: {m.num_nextn_predict_layers} must be below "
                     f"train.seq_len={t.seq_len}")
-  if m.context_attention == "ring" and not m.is_mla:
-    raise UserError("config key model.context_attention: ring passes the MLA latent round the context axis, and "
-                    "this model has no MLA (kv_lora_rank is null); use gather")
   if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
     raise UserError(f"config key model.moe_capacity_factor: {m.moe_capacity_factor} must be > 0, or null for "
                     f"dropless dispatch")

@@ -79,8 +79,9 @@ def test_command_line_exit_status(run_env, tmp_path):
       "model size"]
 
 
-def test_ring_attention_needs_mla():
+def test_context_attention_takes_gather_or_ring():
   from jaxseek.errors import UserError
 
-  with pytest.raises(UserError, match="model.context_attention: ring passes the MLA latent"):
-    config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=ring"])
+  assert config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=ring"]).model.context_attention == "ring"
+  with pytest.raises(UserError, match="model.context_attention: 'zigzag' is not one of 'gather', 'ring'"):
+    config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=zigzag"])

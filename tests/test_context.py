@@ -24,7 +24,8 @@ RING = ("model.context_attention=ring",)
 @pytest.mark.parametrize("name, context, extra", [
     ("tiny-v3", 2, RING), ("tiny-v3", 8, ()), ("tiny-dense", 4, ()),  # tiny-dense: grouped-query attention
     ("tiny-v3", 4, PACKED),  # packed documents: segment ids split over the axis too
-], ids=["v3-c2-ring", "v3-c8", "dense-c4", "v3-c4-packed"])
+    ("tiny-dense", 2, RING + PACKED),  # the grouped-query ring, segment ids travelling with the chunks
+], ids=["v3-c2-ring", "v3-c8", "dense-c4", "v3-c4-packed", "dense-c2-ring-packed"])
 def test_context_parallel_training_equals_single_device(name, context, extra):
   """Losses and gradient norms over 5 steps (MoE bias ranges and loads too) equal one device's."""
   single = run(name, ("mesh.data=1", *extra), jax.devices()[:1])
@@ -68,11 +69,13 @@ def compiled_collectives(name, *overrides):
   return counts, out.memory_analysis().temp_size_in_bytes
 
 
-def test_ring_passes_latent_chunks_and_holds_less():
-  """model.context_attention=ring: the latent and rope key travel round the context axis by collective-permute
-  (nothing is all-gathered over it), and the compiled step needs less temporary memory than the gather."""
+@pytest.mark.parametrize("name", ["tiny-v3", "tiny-dense"])
+def test_ring_passes_chunks_and_holds_less(name):
+  """model.context_attention=ring: the key/value chunks (MLA: the latent and rope key; grouped-query: the keys
+  and values) travel round the context axis by collective-permute (nothing is all-gathered over it), and the
+  compiled step needs less temporary memory than the gather."""
   def compiled(mode):
-    counts, temp = compiled_collectives("tiny-v3", "mesh.context=4", "mesh.data=2", "train.seq_len=256",
+    counts, temp = compiled_collectives(name, "mesh.context=4", "mesh.data=2", "train.seq_len=256",
                                         f"model.context_attention={mode}")
     return {k: v.get("context", 0) for k, v in counts.items()}, temp
 

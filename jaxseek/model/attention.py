@@ -60,6 +60,7 @@ class Attention(nnx.Module):
     self.w_o_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), param_dtype, std)
     self.inv_freq, self.rope_factor = rope_tables(H, cfg)
     self.scale = H**-0.5
+    self.ring = cfg.context_attention == "ring"
     self.dtype = dtype
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -69,7 +70,10 @@ class Attention(nnx.Module):
     v_BTGH = jnp.einsum("BTD,DGH->BTGH", x_BTD, w(self.w_v_DGH))
     q_BTNH = shard(apply_rope(q_BTNH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "heads", None))
     k_BTGH = shard(apply_rope(k_BTGH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "kv_heads", None))
-    out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale)
+    if self.ring and split_over_context():
+      out_BTNH = gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale)
+    else:
+      out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale)
     return jnp.einsum("BTNH,NHD->BTD", out_BTNH, w(self.w_o_NHD))
 
 
@@ -161,13 +165,15 @@ def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_
   size = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in length)
 
   def local(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, *segments):
+    seg_bt = segments[0] if packed else None
+    if ring:
+      expand = lambda ckv_bsC, kr_bs1R: expand_latent(ckv_bsC, kr_bs1R, w_uk_CnH, w_uv_CnP)
+      return ring_attention(q_btnK, (ckv_btC, kr_bt1R), expand, seg_bt, scale, length, size,
+                            typed=(w_uk_CnH, w_uv_CnP))
     gathered = lambda a: jax.lax.all_gather(a, length, axis=1, tiled=True)
     ckv_bSC, kr_bS1R = gathered(ckv_btC), gathered(kr_bt1R)
     k_bSnK, v_bSnP = expand_latent(ckv_bSC, kr_bS1R, w_uk_CnH, w_uv_CnP)
     offset = jax.lax.axis_index(length) * q_btnK.shape[1]
-    seg_bt = segments[0] if packed else None
-    if ring:
-      return ring_attention(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, seg_bt, scale, length, size)
     seg_bS = gathered(seg_bt) if packed else None
     return attend(q_btnK, k_bSnK, v_bSnP, seg_bt, scale, seg_bS, offset)
 
@@ -180,26 +186,48 @@ def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_
   return jax.shard_map(local, in_specs=in_specs, out_specs=spec(("batch", "length", "heads", None)))(*args)
 
 
-def ring_attention(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, seg_bt, scale, axes, size):
-  """Inside shard_map: `size` steps; at step r a device holds the latent, rope key and segment ids of the chunk
-  that started on device (me − r) mod size, expands that chunk's keys and values, folds its scores into an
-  online softmax (running max, sum and output), and passes the chunk on with a collective-permute. Each step is
-  rematerialised in the backward pass, so only one chunk's keys, values and scores [b, n, t, t] are live at a
-  time instead of the whole sequence's; the chunk gradients travel back round the ring at the latent's size."""
+def gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale):
+  """Multi-head / grouped-query attention with the sequence split over `context`, inside `jax.shard_map`: the
+  key and value chunks (G heads each) travel round the context ring (`ring_attention`), each chunk's heads
+  repeated for the N / G query heads that share them only while that chunk is attended."""
+  length = rules.mesh_axes("length")
+  size = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in length)
+  packed = segment_ids_BT is not None
+
+  def local(q_btnH, k_btgH, v_btgH, *segments):
+    share = q_btnH.shape[2] // k_btgH.shape[2]  # query heads per key/value head (local n / g = N / G)
+    expand = lambda k_bsgH, v_bsgH: (jnp.repeat(k_bsgH, share, axis=2), jnp.repeat(v_bsgH, share, axis=2))
+    return ring_attention(q_btnH, (k_btgH, v_btgH), expand, segments[0] if packed else None, scale, length, size)
+
+  spec = rules.activation_spec
+  kv = spec(("batch", "length", "kv_heads", None))
+  in_specs = (spec(("batch", "length", "heads", None)), kv, kv) + ((spec(("batch", "length")),) if packed else ())
+  args = (q_BTNH, k_BTGH, v_BTGH) + ((segment_ids_BT,) if packed else ())
+  return jax.shard_map(local, in_specs=in_specs, out_specs=spec(("batch", "length", "heads", None)))(*args)
+
+
+def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=()):
+  """Inside shard_map: `size` steps; at step r a device holds the key/value chunk (`kv_chunk`: MLA's latent and
+  rope key, or keys and values) and segment ids that started on device (me − r) mod size, expands it to keys
+  [b, s, n, K] and values [b, s, n, P] with `expand`, folds its scores into an online softmax (running max, sum
+  and output), and passes the chunk on with a collective-permute. Each step is rematerialised in the backward
+  pass, so only one chunk's keys, values and scores [b, n, t, t] are live at a time instead of the whole
+  sequence's; the chunk gradients travel back round the ring at the chunk's size. `typed`: further arrays the
+  output depends on (weights `expand` closes over), for the scan carry's varying mesh axes."""
   me, t = jax.lax.axis_index(axes), q_btnK.shape[1]
   q_pos = me * t + jnp.arange(t)
   neg = jnp.finfo(jnp.float32).min
   perm = [(i, (i + 1) % size) for i in range(size)]
+  parts = len(kv_chunk)
 
   def step(carry, r):
     chunk, (out_bntP, max_bnt, sum_bnt) = carry
-    ckv_bsC, kr_bs1R = chunk[:2]
-    k_bsnK, v_bsnP = expand_latent(ckv_bsC, kr_bs1R, w_uk_CnH, w_uv_CnP)
+    k_bsnK, v_bsnP = expand(*chunk[:parts])
     scores_bnts = jnp.einsum("btnK,bsnK->bnts", q_btnK, k_bsnK, preferred_element_type=jnp.float32) * scale
     k_pos = ((me - r) % size) * t + jnp.arange(t)
     mask_bts = (q_pos[:, None] >= k_pos[None, :])[None]
     if seg_bt is not None:
-      mask_bts = mask_bts & (seg_bt[:, :, None] == chunk[2][:, None, :])
+      mask_bts = mask_bts & (seg_bt[:, :, None] == chunk[parts][:, None, :])
     scores_bnts = jnp.where(mask_bts[:, None], scores_bnts, neg)
     new_max = jnp.maximum(max_bnt, scores_bnts.max(-1))
     probs_bnts = jnp.exp(scores_bnts - new_max[..., None]) * mask_bts[:, None]  # a fully masked row adds 0
@@ -210,10 +238,10 @@ def ring_attention(q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP, seg_bt, scale, 
     return (chunk, (out_bntP, new_max, sum_bnt * fade + probs_bnts.sum(-1))), None
 
   b, _, n, _ = q_btnK.shape
-  P = w_uv_CnP.shape[-1]
+  P = jax.eval_shape(expand, *kv_chunk)[1].shape[-1]
   # the running values vary over every mesh axis their inputs vary over (a scan carry must keep its type)
-  zero = sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in (q_btnK, ckv_btC, kr_bt1R, w_uk_CnH, w_uv_CnP))
-  chunk = (ckv_btC, kr_bt1R) + ((seg_bt,) if seg_bt is not None else ())
+  zero = sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in (q_btnK, *kv_chunk, *typed))
+  chunk = tuple(kv_chunk) + ((seg_bt,) if seg_bt is not None else ())
   init = (chunk, (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), neg, jnp.float32) + zero,
                   jnp.zeros((b, n, t), jnp.float32) + zero))
   (_, (out_bntP, _, sum_bnt)), _ = jax.lax.scan(jax.checkpoint(step), init, jnp.arange(size))

@@ -70,7 +70,7 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
   m, c = cfg.model, activation_itemsize(cfg, platform)
   B, T, D, N = batch, cfg.train.seq_len, m.hidden_size, m.num_attention_heads
   # a ring (model.context_attention) holds one chunk of the keys and values at a time, a gather all of them
-  ring = m.is_mla and m.context_attention == "ring" and context > 1
+  ring = m.context_attention == "ring" and context > 1
   S = T // context if ring else T
   btd, btn, whole = ("batch", "length", None), ("batch", "length", "heads", None), ("batch", None, "heads", None)
   # the residual stream and the norms on it (split over tensor too under sequence parallelism), and the norm
@@ -92,9 +92,14 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
             Tensor("attention out", "o", "attention", "BTNP", (B, T, N, P), btn, c, 1)]
   else:
     H, G = m.dense_head_dim, m.kv_heads
-    out += [Tensor("q, attention out", "q", "attention", "BTNH", (B, T, N, H), btn, c, 2),
-            Tensor("k, v (whole sequence)", "k", "attention", "BTGH", (B, T, G, H), ("batch", None, "kv_heads", None),
-                   c, 2)]
+    out.append(Tensor("q, attention out", "q", "attention", "BTNH", (B, T, N, H), btn, c, 2))
+    if ring:  # the chunk held, and its heads repeated for the query heads that share them
+      out += [Tensor("k, v (one ring chunk)", "k", "attention", "BTGH", (B, S, G, H), ("batch", None, "kv_heads", None),
+                     c, 2),
+              Tensor("k, v (one ring chunk, heads repeated)", "k", "attention", "BTNH", (B, S, N, H), whole, c, 2)]
+    else:
+      out.append(Tensor("k, v (whole sequence)", "k", "attention", "BTGH", (B, T, G, H),
+                        ("batch", None, "kv_heads", None), c, 2))
   out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, S),
                     ("batch", "heads", "length", None), 4, 2))
   return out
