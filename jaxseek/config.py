@@ -61,7 +61,7 @@ class ModelConfig:
   moe_max_expert_shards: int | None = None
   # The grouped matmul of the routed experts: "blocked" (rows padded per expert to blocks, one block's matmuls
   # at a time: work ≈ the routed rows) or "ragged_dot" (`lax.ragged_dot`: a grouped GEMM where the backend has
-  # one, else a dense product with every expert); "auto" picks blocked on CPU, ragged_dot elsewhere.
+  # one, else a dense product with every expert); "auto" picks blocked on CPU and GPU, ragged_dot on TPU.
   moe_matmul: Literal["auto", "blocked", "ragged_dot"] = "auto"
   # Attention under context parallelism (jaxseek's own key): "gather" the keys and values (MLA: its latent) over
   # the axis at once, or pass their chunks round a "ring" (one chunk's keys, values and scores at a time: less
