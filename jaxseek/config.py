@@ -65,8 +65,9 @@ class ModelConfig:
   moe_matmul: Literal["auto", "blocked", "ragged_dot"] = "auto"
   # Attention under context parallelism (jaxseek's own key): "gather" the keys and values (MLA: its latent) over
   # the axis at once, or pass their chunks round a "ring" (one chunk's keys, values and scores at a time: less
-  # memory, more sequential steps).
-  context_attention: Literal["gather", "ring"] = "gather"
+  # memory, more sequential steps), or "zigzag": the ring with the sequence stored as an early and a late chunk
+  # per device, computing only the causally visible blocks (half the attention work, even over the devices).
+  context_attention: Literal["gather", "ring", "zigzag"] = "gather"
   # Position encoding.
   max_position_embeddings: int = 4096
   rope_theta: float = 10000.0
@@ -461,6 +462,9 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
     names = "mesh.context" + (" × mesh.tensor (sequence parallelism)" if cfg.mesh.sequence_parallel else "")
     raise UserError(f"config key train.seq_len: {cfg.train.seq_len} tokens are not divisible by {names} = "
                     f"{length}; change the sequence length or the mesh")
+  if cfg.model.context_attention == "zigzag" and sizes["context"] > 1 and cfg.train.seq_len % (2 * sizes["context"]):
+    raise UserError(f"config key train.seq_len: {cfg.train.seq_len} tokens do not split into 2 × mesh.context = "
+                    f"{2 * sizes['context']} chunks for model.context_attention=zigzag; change the sequence length")
   shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   if shards > 0 and sizes["pipeline"] > 1 and cfg.train.batch_size % (shards * sizes["pipeline"]):
     raise UserError(f"config key train.batch_size: {cfg.train.batch_size} sequences is not divisible by the batch "

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import flax.struct
@@ -163,6 +164,32 @@ def mtp_mask(batch: dict[str, jax.Array], k: int) -> jax.Array:
   return mask_BT
 
 
+def with_mtp_arrays(batch: dict[str, jax.Array], depth: int) -> dict[str, jax.Array]:
+  """The batch with what multi-token prediction depth k reads at position i, taken in token order: the input
+  t_{i+k} (`mtp_inputs_k`), the target t_{i+k+1} (`mtp_targets_k`) and where it counts (`mtp_mask_k`)."""
+  out = dict(batch)
+  for k in range(1, depth + 1):
+    out.update({f"mtp_inputs_{k}": shift_left(batch["inputs"], k), f"mtp_targets_{k}": shift_left(batch["targets"], k),
+                f"mtp_mask_{k}": mtp_mask(batch, k)})
+  return out
+
+
+def zigzag_order(length: int, shards: int) -> np.ndarray:
+  """The storage order of a sequence split over `shards` context devices for balanced causal attention: the
+  sequence cut into 2·shards chunks, device i holding chunks i and 2·shards − 1 − i (an early and a late one)."""
+  chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
+
+
+def to_zigzag(batch: dict[str, jax.Array], shards: int) -> dict[str, jax.Array]:
+  """Every [B, T] array of the batch in zigzag storage order (positions made explicit first: the model reads
+  token positions from them, never from the storage index)."""
+  B, T = batch["inputs"].shape
+  batch = {"positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), **batch}
+  order = zigzag_order(T, shards)
+  return {k: shard(jnp.take(v, order, axis=1), ("batch", "length")) for k, v in batch.items()}
+
+
 def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimiser step over the global batch, accumulated over `train.microbatches`.
@@ -178,17 +205,22 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   # With a pipeline the microbatches flow through the stages inside one forward pass instead.
   n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
   depth = cfg.model.num_nextn_predict_layers
+  batch = with_mtp_arrays(batch, depth)
+  context = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in rules.mesh_axes("length"))
+  if cfg.model.context_attention == "zigzag" and context > 1:
+    batch = to_zigzag(batch, context)
   n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-  n_mtp = [jnp.maximum(mtp_mask(batch, k).sum(), 1.0) for k in range(1, depth + 1)]
+  n_mtp = [jnp.maximum(batch[f"mtp_mask_{k}"].sum(), 1.0) for k in range(1, depth + 1)]
   alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
   # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
   data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
 
   def loss_fn(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
-    logits_BTV, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"))
+    mtp_inputs = [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
+    logits_BTV, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), mtp_inputs)
     ce_sum = _ce_sum(logits_BTV, mb["targets"], mb["loss_mask"])
-    mtp_sums = jnp.stack([_ce_sum(aux["mtp_logits"][k - 1], shift_left(mb["targets"], k), mtp_mask(mb, k))
+    mtp_sums = jnp.stack([_ce_sum(aux["mtp_logits"][k - 1], mb[f"mtp_targets_{k}"], mb[f"mtp_mask_{k}"])
                           for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
     balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
     loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}

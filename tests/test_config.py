@@ -83,5 +83,8 @@ def test_context_attention_takes_gather_or_ring():
   from jaxseek.errors import UserError
 
   assert config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=ring"]).model.context_attention == "ring"
-  with pytest.raises(UserError, match="model.context_attention: 'zigzag' is not one of 'gather', 'ring'"):
-    config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=zigzag"])
+  with pytest.raises(UserError, match="model.context_attention: 'spiral' is not one of 'gather', 'ring', 'zigzag'"):
+    config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=spiral"])
+  with pytest.raises(UserError, match="train.seq_len: 36 tokens do not split into 2 × mesh.context = 8 chunks"):
+    config_lib.load(CONFIGS / "tiny-dense.yaml", ["model.context_attention=zigzag", "mesh.context=4",
+                                                  "mesh.data=2", "train.seq_len=36"])

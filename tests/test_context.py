@@ -19,13 +19,15 @@ PACKED = ("data.source=python-stdlib", "data.max_bytes=200000", "train.seq_len=6
 
 
 RING = ("model.context_attention=ring",)
+ZIGZAG = ("model.context_attention=zigzag",)
 
 
 @pytest.mark.parametrize("name, context, extra", [
     ("tiny-v3", 2, RING), ("tiny-v3", 8, ()), ("tiny-dense", 4, ()),  # tiny-dense: grouped-query attention
     ("tiny-v3", 4, PACKED),  # packed documents: segment ids split over the axis too
     ("tiny-dense", 2, RING + PACKED),  # the grouped-query ring, segment ids travelling with the chunks
-], ids=["v3-c2-ring", "v3-c8", "dense-c4", "v3-c4-packed", "dense-c2-ring-packed"])
+    ("tiny-v3", 4, ZIGZAG + PACKED + ("model.num_nextn_predict_layers=2",)),  # zigzag storage, MTP shifts
+], ids=["v3-c2-ring", "v3-c8", "dense-c4", "v3-c4-packed", "dense-c2-ring-packed", "v3-c4-zigzag-packed-mtp"])
 def test_context_parallel_training_equals_single_device(name, context, extra):
   """Losses and gradient norms over 5 steps (MoE bias ranges and loads too) equal one device's."""
   single = run(name, ("mesh.data=1", *extra), jax.devices()[:1])
@@ -83,6 +85,34 @@ def test_ring_passes_chunks_and_holds_less(name):
   assert gather.get("all-gather", 0) > 0 and gather.get("collective-permute", 0) == 0, gather
   assert ring.get("all-gather", 0) == 0 and ring.get("collective-permute", 0) > 0, ring
   assert ring_temp < 0.6 * gather_temp, (ring_temp, gather_temp)
+
+
+def test_zigzag_order_gives_each_device_an_early_and_a_late_chunk():
+  order = step_lib.zigzag_order(16, 4)  # 8 chunks of 2 tokens; device i holds chunks i and 7 - i
+  np.testing.assert_array_equal(order.reshape(4, 4), [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],
+                                                      [6, 7, 8, 9]])
+  assert sorted(order) == list(range(16))
+
+
+def test_zigzag_ring_computes_half_blocks():
+  """After its own chunk, a device under zigzag attends t queries to half a chunk or half its queries to a whole
+  chunk: the compiled step's score blocks are t × t/2 and t/2 × t (t = 64 tokens per device), where the plain
+  ring computes t × t for every chunk."""
+  def score_shapes(mode):
+    cfg = load_config("tiny-dense", "mesh.context=4", "mesh.data=2", "train.seq_len=256",
+                      f"model.context_attention={mode}")
+    mesh = make_mesh(cfg)
+    trainer = step_lib.make_trainer(cfg, mesh)
+    with jax.set_mesh(mesh):
+      text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
+                                                            next(global_batches(cfg, mesh))).compile().as_text()
+    heads = cfg.model.num_attention_heads
+    return {tuple(int(d) for d in dims.split(",")[-2:]) for dims in re.findall(r"f32\[([\d,]+)\]\S* (?:dot|fusion)", text)
+            if len(dims.split(",")) >= 3 and int(dims.split(",")[-3]) == heads}
+
+  ring, zigzag = score_shapes("ring"), score_shapes("zigzag")
+  assert (64, 64) in ring and (64, 32) not in ring and (32, 64) not in ring, ring
+  assert (64, 32) in zigzag and (32, 64) in zigzag, zigzag
 
 
 def test_sequence_parallel_training_equals_single_device():

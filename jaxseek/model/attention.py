@@ -60,7 +60,7 @@ class Attention(nnx.Module):
     self.w_o_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), param_dtype, std)
     self.inv_freq, self.rope_factor = rope_tables(H, cfg)
     self.scale = H**-0.5
-    self.ring = cfg.context_attention == "ring"
+    self.ring, self.zigzag = cfg.context_attention in ("ring", "zigzag"), cfg.context_attention == "zigzag"
     self.dtype = dtype
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -71,7 +71,7 @@ class Attention(nnx.Module):
     q_BTNH = shard(apply_rope(q_BTNH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "heads", None))
     k_BTGH = shard(apply_rope(k_BTGH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "kv_heads", None))
     if self.ring and split_over_context():
-      out_BTNH = gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale)
+      out_BTNH = gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale, self.zigzag)
     else:
       out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale)
     return jnp.einsum("BTNH,NHD->BTD", out_BTNH, w(self.w_o_NHD))
@@ -107,7 +107,7 @@ class MLA(nnx.Module):
     self.inv_freq, self.rope_factor = rope_tables(R, cfg)
     self.scale = (H + R) ** -0.5 * softmax_scale_factor(cfg.rope_scaling)
     self.q_lora = bool(Q)
-    self.ring = cfg.context_attention == "ring"
+    self.ring, self.zigzag = cfg.context_attention in ("ring", "zigzag"), cfg.context_attention == "zigzag"
     self.dtype = dtype
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -126,7 +126,7 @@ class MLA(nnx.Module):
     q_BTNK = shard(jnp.concatenate([q_BTNH, qr_BTNR], -1), ("batch", "length", "heads", None))
     if split_over_context():
       out_BTNP = context_attention(q_BTNK, ckv_BTC, kr_BT1R, w(self.w_uk_CNH), w(self.w_uv_CNP), segment_ids_BT,
-                                   self.scale, ring=self.ring)
+                                   self.scale, ring=self.ring, zigzag=self.zigzag)
       return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
     # (S: the whole length; without a context axis it is T)
     ckv_BSC = shard(ckv_BTC, ("batch", None, None))
@@ -152,7 +152,8 @@ def split_over_context() -> bool:
   return math.prod(mesh.shape[a] for a in rules.mesh_axes("length")) > 1
 
 
-def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_BT, scale, ring=False):
+def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_BT, scale, ring=False,
+                      zigzag=False):
   """MLA attention with the queries split over `context`, inside `jax.shard_map`: each device all-gathers the
   compressed latent and the rope key (C + R numbers per token), expands the key and value heads locally and
   attends its queries (a slice of the sequence at offset index · t) to the whole sequence. In the backward pass
@@ -169,7 +170,7 @@ def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_
     if ring:
       expand = lambda ckv_bsC, kr_bs1R: expand_latent(ckv_bsC, kr_bs1R, w_uk_CnH, w_uv_CnP)
       return ring_attention(q_btnK, (ckv_btC, kr_bt1R), expand, seg_bt, scale, length, size,
-                            typed=(w_uk_CnH, w_uv_CnP))
+                            typed=(w_uk_CnH, w_uv_CnP), zigzag=zigzag)
     gathered = lambda a: jax.lax.all_gather(a, length, axis=1, tiled=True)
     ckv_bSC, kr_bS1R = gathered(ckv_btC), gathered(kr_bt1R)
     k_bSnK, v_bSnP = expand_latent(ckv_bSC, kr_bS1R, w_uk_CnH, w_uv_CnP)
@@ -186,7 +187,7 @@ def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_
   return jax.shard_map(local, in_specs=in_specs, out_specs=spec(("batch", "length", "heads", None)))(*args)
 
 
-def gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale):
+def gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale, zigzag=False):
   """Multi-head / grouped-query attention with the sequence split over `context`, inside `jax.shard_map`: the
   key and value chunks (G heads each) travel round the context ring (`ring_attention`), each chunk's heads
   repeated for the N / G query heads that share them only while that chunk is attended."""
@@ -197,7 +198,8 @@ def gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale):
   def local(q_btnH, k_btgH, v_btgH, *segments):
     share = q_btnH.shape[2] // k_btgH.shape[2]  # query heads per key/value head (local n / g = N / G)
     expand = lambda k_bsgH, v_bsgH: (jnp.repeat(k_bsgH, share, axis=2), jnp.repeat(v_bsgH, share, axis=2))
-    return ring_attention(q_btnH, (k_btgH, v_btgH), expand, segments[0] if packed else None, scale, length, size)
+    return ring_attention(q_btnH, (k_btgH, v_btgH), expand, segments[0] if packed else None, scale, length, size,
+                          zigzag=zigzag)
 
   spec = rules.activation_spec
   kv = spec(("batch", "length", "kv_heads", None))
@@ -206,45 +208,95 @@ def gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale):
   return jax.shard_map(local, in_specs=in_specs, out_specs=spec(("batch", "length", "heads", None)))(*args)
 
 
-def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=()):
+def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=(), zigzag=False):
   """Inside shard_map: `size` steps; at step r a device holds the key/value chunk (`kv_chunk`: MLA's latent and
   rope key, or keys and values) and segment ids that started on device (me − r) mod size, expands it to keys
   [b, s, n, K] and values [b, s, n, P] with `expand`, folds its scores into an online softmax (running max, sum
   and output), and passes the chunk on with a collective-permute. Each step is rematerialised in the backward
   pass, so only one chunk's keys, values and scores [b, n, t, t] are live at a time instead of the whole
   sequence's; the chunk gradients travel back round the ring at the chunk's size. `typed`: further arrays the
-  output depends on (weights `expand` closes over), for the scan carry's varying mesh axes."""
+  output depends on (weights `expand` closes over), for the scan carry's varying mesh axes.
+
+  `zigzag`: the sequence is stored in `step.zigzag_order` (device i holds the early half-chunk i and the late
+  half-chunk 2·size − 1 − i, h = t/2 tokens each), and the ring computes only the visible blocks. At step 0 a
+  device attends its own chunk causally; afterwards a chunk from an earlier device j < i is wholly visible to
+  all t queries through its early half (the late half is in every query's future), and a chunk from a later
+  device is wholly visible to the late half of the queries only. Each step after the first is t·h scores on
+  every device: half the work of the plain ring, the same on every device."""
   me, t = jax.lax.axis_index(axes), q_btnK.shape[1]
-  q_pos = me * t + jnp.arange(t)
+  h = t // 2
   neg = jnp.finfo(jnp.float32).min
   perm = [(i, (i + 1) % size) for i in range(size)]
   parts = len(kv_chunk)
 
-  def step(carry, r):
-    chunk, (out_bntP, max_bnt, sum_bnt) = carry
-    k_bsnK, v_bsnP = expand(*chunk[:parts])
-    scores_bnts = jnp.einsum("btnK,bsnK->bnts", q_btnK, k_bsnK, preferred_element_type=jnp.float32) * scale
-    k_pos = ((me - r) % size) * t + jnp.arange(t)
-    mask_bts = (q_pos[:, None] >= k_pos[None, :])[None]
-    if seg_bt is not None:
-      mask_bts = mask_bts & (seg_bt[:, :, None] == chunk[parts][:, None, :])
-    scores_bnts = jnp.where(mask_bts[:, None], scores_bnts, neg)
-    new_max = jnp.maximum(max_bnt, scores_bnts.max(-1))
-    probs_bnts = jnp.exp(scores_bnts - new_max[..., None]) * mask_bts[:, None]  # a fully masked row adds 0
-    fade = jnp.exp(max_bnt - new_max)
-    out_bntP = out_bntP * fade[..., None] + jnp.einsum("bnts,bsnP->bntP", probs_bnts.astype(v_bsnP.dtype), v_bsnP,
+  def token_index(j):
+    """Token positions in the sequence of the chunk that started on device j."""
+    if zigzag:
+      return jnp.concatenate([j * h + jnp.arange(h), (2 * size - 1 - j) * h + jnp.arange(h)])
+    return j * t + jnp.arange(t)
+
+  q_pos = token_index(me)
+
+  def fold(state, q_bqnK, k_bsnK, v_bsnP, mask_bqs):
+    """The online softmax of queries q over keys k (mask None: all visible) added to state (out, max, sum)."""
+    out_bnqP, max_bnq, sum_bnq = state
+    scores_bnqs = jnp.einsum("bqnK,bsnK->bnqs", q_bqnK, k_bsnK, preferred_element_type=jnp.float32) * scale
+    if mask_bqs is not None:
+      scores_bnqs = jnp.where(mask_bqs[:, None], scores_bnqs, neg)
+    new_max = jnp.maximum(max_bnq, scores_bnqs.max(-1))
+    probs_bnqs = jnp.exp(scores_bnqs - new_max[..., None])
+    if mask_bqs is not None:
+      probs_bnqs = probs_bnqs * mask_bqs[:, None]  # a fully masked row adds 0
+    fade = jnp.exp(max_bnq - new_max)
+    out_bnqP = out_bnqP * fade[..., None] + jnp.einsum("bnqs,bsnP->bnqP", probs_bnqs.astype(v_bsnP.dtype), v_bsnP,
                                                         preferred_element_type=jnp.float32)
-    chunk = jax.lax.ppermute(chunk, axes, perm)
-    return (chunk, (out_bntP, new_max, sum_bnt * fade + probs_bnts.sum(-1))), None
+    return out_bnqP, new_max, sum_bnq * fade + probs_bnqs.sum(-1)
+
+  def same_segment(seg_bq, seg_bs):
+    return None if seg_bt is None else seg_bq[:, :, None] == seg_bs[:, None, :]
+
+  def visit(state, chunk, r, own=False):
+    """Fold in the chunk held at step r (it started on device j = (me − r) mod size); `own`: r = 0, the device's
+    own chunk, before the ring turns."""
+    k_bsnK, v_bsnP = expand(*chunk[:parts])
+    seg_bs = chunk[parts] if seg_bt is not None else None
+    j = (me - r) % size
+    if own or not zigzag:
+      mask_bts = (q_pos[:, None] >= token_index(j)[None, :])[None]
+      if seg_bt is not None:
+        mask_bts = mask_bts & same_segment(seg_bt, seg_bs)
+      return fold(state, q_btnK, k_bsnK, v_bsnP, mask_bts)
+
+    def earlier():  # every query sees the chunk's early half
+      seg_h = None if seg_bs is None else seg_bs[:, :h]
+      return fold(state, q_btnK, k_bsnK[:, :h], v_bsnP[:, :h], same_segment(seg_bt, seg_h))
+
+    def later():  # the late queries see the whole chunk
+      seg_q = None if seg_bt is None else seg_bt[:, h:]
+      late = fold(tuple(a[:, :, h:] for a in state), q_btnK[:, h:], k_bsnK, v_bsnP, same_segment(seg_q, seg_bs))
+      return tuple(a.at[:, :, h:].set(b) for a, b in zip(state, late))
+
+    return jax.lax.cond(j < me, earlier, later)
+
+  def step(carry, r):
+    chunk, state = carry
+    if zigzag:  # the own chunk was visited before the scan
+      chunk = jax.lax.ppermute(chunk, axes, perm)
+      return (chunk, visit(state, chunk, r)), None
+    state = visit(state, chunk, r)  # step 0 visits the own chunk (one causal mask for every step)
+    return (jax.lax.ppermute(chunk, axes, perm), state), None
 
   b, _, n, _ = q_btnK.shape
   P = jax.eval_shape(expand, *kv_chunk)[1].shape[-1]
   # the running values vary over every mesh axis their inputs vary over (a scan carry must keep its type)
   zero = sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in (q_btnK, *kv_chunk, *typed))
   chunk = tuple(kv_chunk) + ((seg_bt,) if seg_bt is not None else ())
-  init = (chunk, (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), neg, jnp.float32) + zero,
-                  jnp.zeros((b, n, t), jnp.float32) + zero))
-  (_, (out_bntP, _, sum_bnt)), _ = jax.lax.scan(jax.checkpoint(step), init, jnp.arange(size))
+  state = (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), neg, jnp.float32) + zero,
+           jnp.zeros((b, n, t), jnp.float32) + zero)
+  if zigzag:
+    state = jax.checkpoint(lambda state, chunk: visit(state, chunk, 0, own=True))(state, chunk)
+  (_, (out_bntP, _, sum_bnt)), _ = jax.lax.scan(jax.checkpoint(step), (chunk, state),
+                                                jnp.arange(1 if zigzag else 0, size))
   out_btnP = jnp.transpose(out_bntP / sum_bnt[..., None], (0, 2, 1, 3)).astype(q_btnK.dtype)
   return checkpoint_name(out_btnP, "attn_context")
 

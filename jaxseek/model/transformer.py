@@ -131,12 +131,15 @@ class Transformer(nnx.Module):
     return shard(logits_BTV, ("batch", "length", "vocab"))
 
   def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-              segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              segment_ids_BT: jax.Array | None = None,
+              mtp_tokens: list[jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns float32 logits [B, T, V] and aux: hidden [B, T, D], per-MoE-layer `load` [L, E], `balance` [L, B],
     and with multi-token prediction `mtp_logits` [depth, B, T, V] (depth k at position i predicts t_{i+k+1}),
     `mtp_load` [depth, E], `mtp_balance` [depth, B].
 
-    `segment_ids` > 0 label packed documents (attention stays inside one); 0 marks padding.
+    `segment_ids` > 0 label packed documents (attention stays inside one); 0 marks padding. `mtp_tokens[k-1]`:
+    the token depth k reads at each position, t_{i+k} (default: the tokens shifted left by k, which holds
+    when the sequence is stored in token order).
     """
     B, T = tokens_BT.shape
     if positions_BT is None:
@@ -152,7 +155,8 @@ class Transformer(nnx.Module):
     aux["hidden"] = h_BTD
     mtp = [], [], [], []
     for k, layer in enumerate(self.mtp_layers, start=1):
-      h_BTD, layer_aux = layer(self.embed(shift_left(tokens_BT, k)), h_BTD, positions_BT, segment_ids_BT, valid_BT)
+      ahead_BT = shift_left(tokens_BT, k) if mtp_tokens is None else mtp_tokens[k - 1]
+      h_BTD, layer_aux = layer(self.embed(ahead_BT), h_BTD, positions_BT, segment_ids_BT, valid_BT)
       mtp[0].append(self._logits(h_BTD))
       if layer_aux:
         mtp[1].append(layer_aux["load"])

@@ -160,7 +160,7 @@ def _activations(cfg, sizes, micro, passes):
   m = cfg.model
   t, p, ctx, S = sizes["tensor"], sizes["expert"], sizes["context"], sizes["pipeline"]
   tensor_count = tensor_bytes = a2a_count = a2a_bytes = kv_count = kv_bytes = 0.0
-  ring = m.context_attention == "ring"
+  ring = m.context_attention in ("ring", "zigzag")
   for layers, runs, batch, where, moe in _layer_runs(cfg, sizes, micro):
     x = em.stream(cfg, batch).bytes(where)
     tensor_count += runs * 2 * passes * layers

@@ -70,7 +70,7 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
   m, c = cfg.model, activation_itemsize(cfg, platform)
   B, T, D, N = batch, cfg.train.seq_len, m.hidden_size, m.num_attention_heads
   # a ring (model.context_attention) holds one chunk of the keys and values at a time, a gather all of them
-  ring = m.context_attention == "ring" and context > 1
+  ring = m.context_attention in ("ring", "zigzag") and context > 1
   S = T // context if ring else T
   btd, btn, whole = ("batch", "length", None), ("batch", "length", "heads", None), ("batch", None, "heads", None)
   # the residual stream and the norms on it (split over tensor too under sequence parallelism), and the norm
