@@ -208,6 +208,35 @@ def gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale, zigzag=Fal
   return jax.shard_map(local, in_specs=in_specs, out_specs=spec(("batch", "length", "heads", None)))(*args)
 
 
+NEG = float(jnp.finfo(jnp.float32).min)  # the score of a masked key
+
+
+def chunk_tokens(j, t: int, size: int, zigzag: bool) -> jax.Array:
+  """Token positions in the sequence of the t stored tokens of context device j: one contiguous chunk, or under
+  zigzag (`step.zigzag_order`) the early half-chunk j and the late half-chunk 2·size − 1 − j."""
+  if zigzag:
+    h = t // 2
+    return jnp.concatenate([j * h + jnp.arange(h), (2 * size - 1 - j) * h + jnp.arange(h)])
+  return j * t + jnp.arange(t)
+
+
+def softmax_fold(state, q_bqnK, k_bsnK, v_bsnP, mask_bqs, scale):
+  """The online softmax of queries q over keys k (mask None: all visible) added to state (out [b, n, q, P],
+  running max [b, n, q], running sum [b, n, q])."""
+  out_bnqP, max_bnq, sum_bnq = state
+  scores_bnqs = jnp.einsum("bqnK,bsnK->bnqs", q_bqnK, k_bsnK, preferred_element_type=jnp.float32) * scale
+  if mask_bqs is not None:
+    scores_bnqs = jnp.where(mask_bqs[:, None], scores_bnqs, NEG)
+  new_max = jnp.maximum(max_bnq, scores_bnqs.max(-1))
+  probs_bnqs = jnp.exp(scores_bnqs - new_max[..., None])
+  if mask_bqs is not None:
+    probs_bnqs = probs_bnqs * mask_bqs[:, None]  # a fully masked row adds 0
+  fade = jnp.exp(max_bnq - new_max)
+  out_bnqP = out_bnqP * fade[..., None] + jnp.einsum("bnqs,bsnP->bnqP", probs_bnqs.astype(v_bsnP.dtype), v_bsnP,
+                                                      preferred_element_type=jnp.float32)
+  return out_bnqP, new_max, sum_bnq * fade + probs_bnqs.sum(-1)
+
+
 def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=(), zigzag=False):
   """Inside shard_map: `size` steps; at step r a device holds the key/value chunk (`kv_chunk`: MLA's latent and
   rope key, or keys and values) and segment ids that started on device (me − r) mod size, expands it to keys
@@ -225,32 +254,13 @@ def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=()
   every device: half the work of the plain ring, the same on every device."""
   me, t = jax.lax.axis_index(axes), q_btnK.shape[1]
   h = t // 2
-  neg = jnp.finfo(jnp.float32).min
   perm = [(i, (i + 1) % size) for i in range(size)]
   parts = len(kv_chunk)
 
-  def token_index(j):
-    """Token positions in the sequence of the chunk that started on device j."""
-    if zigzag:
-      return jnp.concatenate([j * h + jnp.arange(h), (2 * size - 1 - j) * h + jnp.arange(h)])
-    return j * t + jnp.arange(t)
-
+  token_index = lambda j: chunk_tokens(j, t, size, zigzag)
   q_pos = token_index(me)
 
-  def fold(state, q_bqnK, k_bsnK, v_bsnP, mask_bqs):
-    """The online softmax of queries q over keys k (mask None: all visible) added to state (out, max, sum)."""
-    out_bnqP, max_bnq, sum_bnq = state
-    scores_bnqs = jnp.einsum("bqnK,bsnK->bnqs", q_bqnK, k_bsnK, preferred_element_type=jnp.float32) * scale
-    if mask_bqs is not None:
-      scores_bnqs = jnp.where(mask_bqs[:, None], scores_bnqs, neg)
-    new_max = jnp.maximum(max_bnq, scores_bnqs.max(-1))
-    probs_bnqs = jnp.exp(scores_bnqs - new_max[..., None])
-    if mask_bqs is not None:
-      probs_bnqs = probs_bnqs * mask_bqs[:, None]  # a fully masked row adds 0
-    fade = jnp.exp(max_bnq - new_max)
-    out_bnqP = out_bnqP * fade[..., None] + jnp.einsum("bnqs,bsnP->bnqP", probs_bnqs.astype(v_bsnP.dtype), v_bsnP,
-                                                        preferred_element_type=jnp.float32)
-    return out_bnqP, new_max, sum_bnq * fade + probs_bnqs.sum(-1)
+  fold = lambda state, q, k, v, mask: softmax_fold(state, q, k, v, mask, scale)
 
   def same_segment(seg_bq, seg_bs):
     return None if seg_bt is None else seg_bq[:, :, None] == seg_bs[:, None, :]
@@ -291,7 +301,7 @@ def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=()
   # the running values vary over every mesh axis their inputs vary over (a scan carry must keep its type)
   zero = sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in (q_btnK, *kv_chunk, *typed))
   chunk = tuple(kv_chunk) + ((seg_bt,) if seg_bt is not None else ())
-  state = (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), neg, jnp.float32) + zero,
+  state = (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), NEG, jnp.float32) + zero,
            jnp.zeros((b, n, t), jnp.float32) + zero)
   if zigzag:
     state = jax.checkpoint(lambda state, chunk: visit(state, chunk, 0, own=True))(state, chunk)
