@@ -1,11 +1,16 @@
 # make demo: train the demo model on 8 simulated CPU devices.   make test: run the test suite.
 # Each creates .venv (python3 -m venv) when missing and installs what it needs.
+# make test-gpu-compile: compile the real train step for an H200 on this machine (no GPU needed) and check its
+# memory and kernels; it creates .venv-gpu with the CUDA build of JAX (about 5.5 GB of wheels).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test install install-dev clean
+GPU_VENV := .venv-gpu
+JAX_VERSION = $(shell $(BIN)/python -c "import jax; print(jax.__version__)")
+
+.PHONY: demo test test-gpu-compile install install-dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,5 +32,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n 2 tests
 
+$(GPU_VENV)/.installed: pyproject.toml | $(VENV)/.installed
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[gpu,dev]" "jax[cuda12]==$(JAX_VERSION)"
+	touch $@
+
+test-gpu-compile: $(GPU_VENV)/.installed
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q tests_gpu
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) runs .pytest_cache

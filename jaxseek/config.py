@@ -60,9 +60,16 @@ class ModelConfig:
   moe_capacity_factor: float | None = None
   moe_max_expert_shards: int | None = None
   # The grouped matmul of the routed experts: "blocked" (rows padded per expert to blocks, one block's matmuls
-  # at a time: work ≈ the routed rows) or "ragged_dot" (`lax.ragged_dot`: a grouped GEMM where the backend has
-  # one, else a dense product with every expert); "auto" picks blocked on CPU and GPU, ragged_dot on TPU.
-  moe_matmul: Literal["auto", "blocked", "ragged_dot"] = "auto"
+  # at a time: work ≈ the routed rows), "ragged_dot" (`lax.ragged_dot`: a grouped GEMM where the backend has
+  # one, else a dense product with every expert), "tokamax" / "tokamax_triton" (tokamax's Mosaic GPU / Triton
+  # grouped GEMM kernels, forward and backward; GPU only); "auto" picks tokamax on GPU (blocked when tokamax is
+  # not installed), blocked on CPU, ragged_dot on TPU.
+  moe_matmul: Literal["auto", "blocked", "ragged_dot", "tokamax", "tokamax_triton"] = "auto"
+  # Attention (jaxseek's own key): "dense" (the reference: scores [T, S] in memory), "blocked" (online softmax
+  # over key blocks, fully masked causal blocks skipped, memory linear in the length: any backend), or a tokamax
+  # GPU kernel: "mosaic" (Mosaic GPU flash attention, Hopper and later), "triton", "cudnn". "auto": mosaic on
+  # GPU, blocked elsewhere (dense when the sequence is one block). jaxseek/model/kernels.py.
+  attention_impl: Literal["auto", "dense", "blocked", "mosaic", "triton", "cudnn"] = "auto"
   # Attention under context parallelism (jaxseek's own key): "gather" the keys and values (MLA: its latent) over
   # the axis at once, or pass their chunks round a "ring" (one chunk's keys, values and scores at a time: less
   # memory, more sequential steps), or "zigzag": the ring with the sequence stored as an early and a late chunk
@@ -198,6 +205,9 @@ class TrainConfig:
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "save_dots", "minimal", "offload", "full"] = "none"  # what a layer keeps: model/remat.py
   fp8: bool = False  # FP8 (e4m3, 1x128 / 128x128 scales) MLP and expert matmul inputs, emulated: model/fp8.py
+  # the head and cross entropy: "chunked" over tokens (no float32 logits [B, T, V] in memory) or "full" (the
+  # reference): model/loss.py
+  loss_impl: Literal["chunked", "full"] = "chunked"
   zero: Literal[1, 3] = 3  # 3: parameters, gradients, optimiser state sharded on fsdp; 1: only the optimiser state
   optimizer_memory: Literal["device", "host"] = "device"  # host: AdamW state in pinned host memory (GPU, TPU)
   grad_compression: Literal["none", "bf16", "int8"] = "none"  # the data-axis gradient sum: sharding/compression.py

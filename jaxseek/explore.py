@@ -1,7 +1,10 @@
 """The sharding layout explorer: memory, layout and communication of a config on a mesh, without the hardware.
 
 python -m jaxseek.explore --config FILE [section.key=value ...] [--devices N] [--device-memory h100-80g]
-                          [--compile] [--suggest] [--json PATH] [--plot PATH.png]
+                          [--compile [--target h200|h100]] [--suggest] [--json PATH] [--plot PATH.png]
+
+--compile alone compiles the real train step on simulated CPU devices; with --target it compiles for that many
+GPUs (--devices-per-node to a host) without a GPU, through the CUDA build of JAX (pip install -e '.[gpu]').
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from jaxseek.errors import UserError, cli
 from jaxseek.sharding import explore
 from jaxseek.sharding import explore_report as report
 from jaxseek.sharding import explore_suggest
+from jaxseek.sharding.explore_gpu import TARGETS
 
 COMPILE_MAX_DEVICES = 64  # simulated CPU devices: compile time and host memory grow with their number
 
@@ -39,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--usable-fraction", type=float, default=0.9, help="share of device memory a run may fill")
   parser.add_argument("--compile", action="store_true", help="also compile the real train step on simulated CPU "
                       "devices and show XLA's memory and collectives beside the estimate")
+  parser.add_argument("--target", choices=sorted(TARGETS), help="--compile for this GPU (deviceless: no GPU "
+                      "needed, the CUDA build of JAX is) instead of simulated CPU devices")
   parser.add_argument("--suggest", action="store_true", help="rank the meshes of --devices that fit")
   parser.add_argument("--pipeline", action="store_true", help="--suggest: include pipeline-parallel meshes (those "
                       "whose stage count divides a layer stack)")
@@ -73,8 +79,15 @@ def _simulate(n: int) -> None:
 
 def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
   """The explorer's answer for the parsed command line, printed on the console; returns the JSON document."""
-  if args.compile:
+  if args.target and not args.compile:
+    raise UserError("--target names the GPU to --compile for; add --compile")
+  if args.compile and not args.target:
     _simulate(_devices(cfg, args) if args.suggest else math.prod(explore.mesh_sizes(cfg, args.devices).values()))
+  elif args.target:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # never a CUDA client: the GPU devices are compile-only
+    args.device_memory = args.device_memory or {"h200": "h200-141g", "h100": "h100-80g"}[args.target]
   model = explore.describe(cfg)
   hw = explore.hardware(args.device_memory, peak_tflops=args.peak_tflops, intra_node_gbps=args.intra_node_gbps,
                         inter_node_gbps=args.inter_node_gbps, devices_per_node=args.devices_per_node,
@@ -90,7 +103,15 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
   sizes = explore.mesh_sizes(cfg, args.devices)
   config_lib.check_mesh_fit(cfg, sizes)
   result = explore.plan(model, sizes, hw)
-  if args.compile:
+  if args.compile and args.target:
+    from jaxseek.sharding import explore_gpu
+
+    from jaxseek.sharding import explore_compile
+
+    compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node)
+    compiled.pop("hlo")
+    result["compiled"] = {**compiled, **explore_compile.predicted(result, compiled["batch_bytes"])}
+  elif args.compile:
     from jaxseek.sharding import explore_compile
 
     result["compiled"] = explore_compile.compare(cfg, model, sizes, hw)

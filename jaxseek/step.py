@@ -20,6 +20,7 @@ from jaxseek import input as input_lib
 from jaxseek import model as model_lib
 from jaxseek import optim
 from jaxseek.errors import UserError
+from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left
 from jaxseek.sharding import compression
@@ -218,9 +219,11 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   def loss_fn(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
     mtp_inputs = [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
-    logits_BTV, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), mtp_inputs)
-    ce_sum = _ce_sum(logits_BTV, mb["targets"], mb["loss_mask"])
-    mtp_sums = jnp.stack([_ce_sum(aux["mtp_logits"][k - 1], mb[f"mtp_targets_{k}"], mb[f"mtp_mask_{k}"])
+    h_BTD, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), mtp_inputs, logits=False)
+    head_DV = model.head()
+    ce = lambda h, targets, mask: loss_lib.cross_entropy_sum(h, head_DV, targets, mask, cfg.train.loss_impl)
+    ce_sum = ce(h_BTD, mb["targets"], mb["loss_mask"])
+    mtp_sums = jnp.stack([ce(aux["mtp_hidden"][k - 1], mb[f"mtp_targets_{k}"], mb[f"mtp_mask_{k}"])
                           for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
     balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
     loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
@@ -349,10 +352,6 @@ def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.St
     if by_layer:
       metrics["moe_bias_range_by_layer"] = by_layer[0]
   return metrics
-
-
-def _ce_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-  return (optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT) * mask_BT).sum()
 
 
 def update_biases(biases: nnx.State, loads: dict[str, jax.Array], rate: float) -> nnx.State:

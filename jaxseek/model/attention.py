@@ -1,6 +1,8 @@
 """Attention: multi-head / grouped-query (DeepSeek LLM) and multi-head latent attention (V2, V3).
 
-Both go through `attend`, the one softmax-attention function (causal, packed-segment aware).
+Both go through `attend`, the one softmax-attention function (causal, packed-segment aware), which runs the
+implementation `model.attention_impl` resolves to (`kernels.attention_kind`); `dense_attention` is the reference
+every other implementation is tested against.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxseek.config import ModelConfig
+from jaxseek.model import flash, kernels
 from jaxseek.model.layers import RMSNorm, param
 from jaxseek.model.rope import apply_rope, inverse_frequencies, softmax_scale_factor
 from jaxseek.sharding import rules
@@ -26,7 +29,44 @@ def rope_tables(dim: int, cfg: ModelConfig) -> tuple[tuple[float, ...], float]:
 
 
 def attend(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, segment_ids_BT: jax.Array | None,
-           scale: float, key_segment_ids_BS: jax.Array | None = None, query_offset: jax.Array | int = 0) -> jax.Array:
+           scale: float, key_segment_ids_BS: jax.Array | None = None, query_offset: jax.Array | int = 0,
+           impl: str = "auto") -> jax.Array:
+  """Causal attention of q [B, T, N, H] over k [B, S, G, H], v [B, S, G, P] (G ≤ N), packed segments apart, by
+  the implementation `impl` (model.attention_impl) resolves to: dense (the reference), blocked (memory-linear,
+  `flash.py`) or a tokamax GPU kernel."""
+  kind = kernels.attention_kind(impl, k_BSGH.shape[1])
+  args = (q_BTNH, k_BSGH, v_BSGP, segment_ids_BT, scale, key_segment_ids_BS, query_offset)
+  if kind == "dense":
+    out = dense_attention(*args)
+  elif kind == "blocked":
+    out = flash.attention(*args)
+  else:
+    out = gpu_attention(*args, implementation=kind)
+  # named for the remat policies (model/remat.py): the attention output is the costliest tensor to recompute
+  return checkpoint_name(out.astype(v_BSGP.dtype), "attn_context")
+
+
+def gpu_attention(q_BTNH, k_BSGH, v_BSGP, segment_ids_BT, scale, key_segment_ids_BS=None, query_offset=0,
+                  implementation="mosaic"):
+  """A tokamax kernel, run per shard: a custom call GSPMD cannot split, so outside a shard_map it is wrapped in
+  one over the batch and head axes (the whole sequence is local here; context parallelism calls in with its
+  local queries and gathered keys)."""
+  kernel = lambda q, k, v, *seg: kernels.tokamax_attention(
+      q, k, v, seg[0] if seg else None, scale, seg[1] if len(seg) > 1 else None, query_offset, implementation)
+  segments = () if segment_ids_BT is None else (segment_ids_BT,) + (
+      () if key_segment_ids_BS is None else (key_segment_ids_BS,))
+  if not rules.has_mesh() or kernels.manual():
+    return kernel(q_BTNH, k_BSGH, v_BSGP, *segments)
+  spec = rules.activation_spec
+  kv = ("batch", None, "heads" if k_BSGH.shape[2] == q_BTNH.shape[2] else "kv_heads", None)
+  in_specs = (spec(("batch", None, "heads", None)), spec(kv), spec(kv)) + (spec(("batch", None)),) * len(segments)
+  return jax.shard_map(kernel, in_specs=in_specs, out_specs=spec(("batch", None, "heads", None)),
+                       check_vma=False)(q_BTNH, k_BSGH, v_BSGP, *segments)
+
+
+def dense_attention(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, segment_ids_BT: jax.Array | None,
+                    scale: float, key_segment_ids_BS: jax.Array | None = None,
+                    query_offset: jax.Array | int = 0) -> jax.Array:
   """softmax(q·kᵀ · scale + mask) · v with G ≤ N key/value heads (N/G query heads share one, "n" below).
 
   The mask is causal and, with packed sequences, keeps each token inside its own segment. The queries may be a
@@ -44,8 +84,7 @@ def attend(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, segment_ids_
   scores_BGnTS = jnp.where(mask_BTS[:, None, None], scores_BGnTS, jnp.finfo(jnp.float32).min)
   probs_BGnTS = jax.nn.softmax(scores_BGnTS, axis=-1).astype(v_BSGP.dtype)
   out_BTGnP = jnp.einsum("BGnTS,BSGP->BTGnP", probs_BGnTS, v_BSGP)
-  # named for the remat policies (model/remat.py): the attention output is the costliest tensor to recompute
-  return checkpoint_name(out_BTGnP.reshape(B, T, N, v_BSGP.shape[-1]), "attn_context")
+  return out_BTGnP.reshape(B, T, N, v_BSGP.shape[-1])
 
 
 class Attention(nnx.Module):
@@ -61,6 +100,7 @@ class Attention(nnx.Module):
     self.inv_freq, self.rope_factor = rope_tables(H, cfg)
     self.scale = H**-0.5
     self.ring, self.zigzag = cfg.context_attention in ("ring", "zigzag"), cfg.context_attention == "zigzag"
+    self.impl = cfg.attention_impl
     self.dtype = dtype
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -73,7 +113,7 @@ class Attention(nnx.Module):
     if self.ring and split_over_context():
       out_BTNH = gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale, self.zigzag)
     else:
-      out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale)
+      out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale, impl=self.impl)
     return jnp.einsum("BTNH,NHD->BTD", out_BTNH, w(self.w_o_NHD))
 
 
@@ -108,6 +148,7 @@ class MLA(nnx.Module):
     self.scale = (H + R) ** -0.5 * softmax_scale_factor(cfg.rope_scaling)
     self.q_lora = bool(Q)
     self.ring, self.zigzag = cfg.context_attention in ("ring", "zigzag"), cfg.context_attention == "zigzag"
+    self.impl = cfg.attention_impl
     self.dtype = dtype
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -126,14 +167,14 @@ class MLA(nnx.Module):
     q_BTNK = shard(jnp.concatenate([q_BTNH, qr_BTNR], -1), ("batch", "length", "heads", None))
     if split_over_context():
       out_BTNP = context_attention(q_BTNK, ckv_BTC, kr_BT1R, w(self.w_uk_CNH), w(self.w_uv_CNP), segment_ids_BT,
-                                   self.scale, ring=self.ring, zigzag=self.zigzag)
+                                   self.scale, ring=self.ring, zigzag=self.zigzag, impl=self.impl)
       return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
     # (S: the whole length; without a context axis it is T)
     ckv_BSC = shard(ckv_BTC, ("batch", None, None))
     kr_BS1R = shard(kr_BT1R, ("batch", None, None, None))
     k_BSNK, v_BSNP = expand_latent(ckv_BSC, kr_BS1R, w(self.w_uk_CNH), w(self.w_uv_CNP))
     k_BSNK, v_BSNP = (shard(a, ("batch", None, "heads", None)) for a in (k_BSNK, v_BSNP))
-    out_BTNP = attend(q_BTNK, k_BSNK, v_BSNP, segment_ids_BT, self.scale)
+    out_BTNP = attend(q_BTNK, k_BSNK, v_BSNP, segment_ids_BT, self.scale, impl=self.impl)
     return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
 
 
@@ -153,7 +194,7 @@ def split_over_context() -> bool:
 
 
 def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_BT, scale, ring=False,
-                      zigzag=False):
+                      zigzag=False, impl="auto"):
   """MLA attention with the queries split over `context`, inside `jax.shard_map`: each device all-gathers the
   compressed latent and the rope key (C + R numbers per token), expands the key and value heads locally and
   attends its queries (a slice of the sequence at offset index · t) to the whole sequence. In the backward pass
@@ -176,7 +217,7 @@ def context_attention(q_BTNK, ckv_BTC, kr_BT1R, w_uk_CNH, w_uv_CNP, segment_ids_
     k_bSnK, v_bSnP = expand_latent(ckv_bSC, kr_bS1R, w_uk_CnH, w_uv_CnP)
     offset = jax.lax.axis_index(length) * q_btnK.shape[1]
     seg_bS = gathered(seg_bt) if packed else None
-    return attend(q_btnK, k_bSnK, v_bSnP, seg_bt, scale, seg_bS, offset)
+    return attend(q_btnK, k_bSnK, v_bSnP, seg_bt, scale, seg_bS, offset, impl=impl)
 
   spec = rules.activation_spec
   in_specs = (spec(("batch", "length", "heads", None)), spec(("batch", "length", None)),

@@ -36,7 +36,7 @@ from flax import nnx
 
 from jaxseek.config import ModelConfig
 from jaxseek.errors import UserError
-from jaxseek.model import fp8
+from jaxseek.model import fp8, kernels
 from jaxseek.model.layers import MLP, param
 from jaxseek.sharding import rules
 
@@ -210,26 +210,29 @@ def _swiglu_blocks_bwd(residuals, dy_NnD):
 _swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
 
 
-def matmul_kind(setting: str, platform: str | None = None) -> str:
-  """model.moe_matmul resolved for a backend (default: the one the step is compiled for). auto is blocked on CPU
-  and GPU, where XLA lowers `ragged_dot` to a dense product with every expert (E× the work and the hidden
-  activations; on an H200 the blocked path ran a 1B V3-style step 1.38× faster in 22% less memory, docs/moe.md),
-  and ragged_dot on TPU."""
-  if setting != "auto":
-    return setting
-  return "ragged_dot" if (platform or jax.default_backend()) == "tpu" else "blocked"
+def ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, implementation="mosaic"):
+  """SwiGLU per expert group with tokamax's grouped GEMM kernels (GPU): gate and up as one [D, 2m] product."""
+  w_in_ED2m = jnp.concatenate([w_gate_EDm, w_up_EDm], axis=-1)
+  gate_up_R2m = kernels.tokamax_ragged_dot(x_RD, w_in_ED2m, sizes_E, implementation)
+  gate_Rm, up_Rm = jnp.split(gate_up_R2m, 2, axis=-1)
+  return kernels.tokamax_ragged_dot(jax.nn.silu(gate_Rm) * up_Rm, w_down_EmD, sizes_E, implementation)
 
 
 def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str = "auto") -> jax.Array:
-  """SwiGLU of rows sorted by expert (group e has sizes_E[e] rows; rows past the groups give zeros)."""
-  ffn = ffn_blocked if matmul_kind(matmul) == "blocked" else ffn_ragged
+  """SwiGLU of rows sorted by expert (group e has sizes_E[e] rows; rows past the groups give zeros), by the
+  grouped matmul `matmul` (model.moe_matmul) resolves to (`kernels.matmul_kind`)."""
+  kind = kernels.matmul_kind(matmul)
+  if kind in kernels.GPU_MATMUL:
+    return ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, kernels.GPU_MATMUL[kind])
+  ffn = ffn_blocked if kind == "blocked" else ffn_ragged
   return ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD)
 
 
-def experts_local(x_XD, idx_XK, weights_XK, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str = "auto") -> jax.Array:
+def experts_local(x_XD, idx_XK, weights_XK, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str = "auto",
+                  padded: bool = False) -> jax.Array:
   """Dropless expert computation on one shard: sort token copies by expert, grouped matmuls, weighted unsort.
 
-  An id ≥ E selects no expert (zero output). Returns the (partial, if m < M) output [X, D].
+  With `padded`, an id ≥ E selects no expert (zero output). Returns the (partial, if m < M) output [X, D].
   """
   X, K = idx_XK.shape
   E = w_gate_EDm.shape[0]
@@ -239,7 +242,8 @@ def experts_local(x_XD, idx_XK, weights_XK, w_gate_EDm, w_up_EDm, w_down_EmD, ma
   sizes_E = jnp.bincount(flat_e, length=E).astype(jnp.int32)
   y_sorted = expert_ffn(x_XD[token_of], sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul)
   y_sorted = y_sorted * weights_XK.reshape(-1)[order][:, None].astype(y_sorted.dtype)
-  y_sorted = jnp.where((flat_e[order] < E)[:, None], y_sorted, 0)  # rows past the groups: undefined on some backends
+  if padded:  # rows past the groups are undefined on some backends (a [R, D] mask, kept for the backward)
+    y_sorted = jnp.where((flat_e[order] < E)[:, None], y_sorted, 0)
   return jnp.zeros_like(x_XD).at[token_of].add(y_sorted)
 
 
@@ -283,7 +287,7 @@ def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD,
     return jax.lax.all_to_all(a.reshape(shards, cap, *a.shape[1:]), axes, 0, 0).reshape(a.shape)
 
   y_RD = experts_local(exchange(send_RD), exchange(local_R)[:, None], jnp.ones((rows, 1), jnp.float32),
-                       w_gate_eDm, w_up_eDm, w_down_emD, matmul)
+                       w_gate_eDm, w_up_eDm, w_down_emD, matmul, padded=True)
   y_JD = exchange(y_RD).at[slot_J].get(mode="fill", fill_value=0)
   weights_KX = weights_XK.T.astype(y_JD.dtype)
   y_XD = jnp.einsum("KXD,KX->XD", y_JD.reshape(K, X, D), weights_KX)
@@ -340,10 +344,12 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   w_out = rules.activation_spec(("experts", "expert_mlp", None))
   replicated = rules.activation_spec(())
   # Under the vmap over data shards of train.grad_compression (spmd_axis_name="data"), JAX's varying-axes check
-  # counts the per-shard values as varying over data, which no spec here may name: the check is off there.
+  # counts the per-shard values as varying over data, which no spec here may name: the check is off there. It is
+  # off for tokamax's kernels too, whose backward gives weight gradients without varying-axes types.
+  check = not rules.reserved_axes() and kernels.matmul_kind(matmul) not in kernels.GPU_MATMUL
   return jax.shard_map(local, in_specs=(tokens, seqs, replicated, replicated, w_in, w_in, w_out),
                        out_specs=(tokens, replicated, rules.activation_spec(("batch",)), replicated),
-                       check_vma=not rules.reserved_axes())(*args)
+                       check_vma=check)(*args)
 
 
 def balance_loss(counts_BE: jax.Array, score_sums_BE: jax.Array, tokens_B: jax.Array, k: int) -> jax.Array:

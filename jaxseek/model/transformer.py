@@ -125,17 +125,24 @@ class Transformer(nnx.Module):
                                 for _ in range(cfg.num_nextn_predict_layers)])
     self.dtype = dtype
 
-  def _logits(self, h_BTD: jax.Array) -> jax.Array:
+  def head(self) -> jax.Array:
+    """The output head [D, V] in the compute dtype (the embedding table's transpose when tied)."""
     head_DV = self.embed.table_VD[...].T if self.head_DV is None else self.head_DV[...]
-    logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, head_DV.astype(self.dtype), preferred_element_type=jnp.float32)
+    return head_DV.astype(self.dtype)
+
+  def _logits(self, h_BTD: jax.Array) -> jax.Array:
+    logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, self.head(), preferred_element_type=jnp.float32)
     return shard(logits_BTV, ("batch", "length", "vocab"))
 
   def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
               segment_ids_BT: jax.Array | None = None,
-              mtp_tokens: list[jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              mtp_tokens: list[jax.Array] | None = None,
+              logits: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns float32 logits [B, T, V] and aux: hidden [B, T, D], per-MoE-layer `load` [L, E], `balance` [L, B],
     and with multi-token prediction `mtp_logits` [depth, B, T, V] (depth k at position i predicts t_{i+k+1}),
-    `mtp_load` [depth, E], `mtp_balance` [depth, B].
+    `mtp_hidden` [depth, B, T, D] (the normed states its head reads), `mtp_load` [depth, E], `mtp_balance`
+    [depth, B]. With `logits=False` no logits are computed (the loss takes them chunk by chunk, `model.loss`):
+    the first result is the final hidden state and aux has no `mtp_logits`.
 
     `segment_ids` > 0 label packed documents (attention stays inside one); 0 marks padding. `mtp_tokens[k-1]`:
     the token depth k reads at each position, t_{i+k} (default: the tokens shifted left by k, which holds
@@ -157,14 +164,18 @@ class Transformer(nnx.Module):
     for k, layer in enumerate(self.mtp_layers, start=1):
       ahead_BT = shift_left(tokens_BT, k) if mtp_tokens is None else mtp_tokens[k - 1]
       h_BTD, layer_aux = layer(self.embed(ahead_BT), h_BTD, positions_BT, segment_ids_BT, valid_BT)
-      mtp[0].append(self._logits(h_BTD))
+      mtp[0].append(h_BTD)
       if layer_aux:
         mtp[1].append(layer_aux["load"])
         mtp[2].append(layer_aux["balance"])
         mtp[3].append(layer_aux["dropped"])
-    for name, values in zip(("mtp_logits", "mtp_load", "mtp_balance", "mtp_dropped"), mtp):
+    for name, values in zip(("mtp_hidden", "mtp_load", "mtp_balance", "mtp_dropped"), mtp):
       if values:
         aux[name] = jnp.stack(values)
+    if not logits:
+      return aux["hidden"], aux
+    if mtp[0]:
+      aux["mtp_logits"] = jnp.stack([self._logits(h) for h in mtp[0]])
     return self._logits(aux["hidden"]), aux
 
   def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,

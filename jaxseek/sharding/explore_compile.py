@@ -37,8 +37,14 @@ def compare(cfg: Config, model, sizes: dict[str, int], hw) -> dict[str, Any]:
 
   built = explore.plan(model, sizes, hw, platform="cpu")
   got = compile_train_step(cfg, sizes)
+  return {**got, **predicted(built, got["batch_bytes"])}
+
+
+def predicted(built: dict[str, Any], batch_bytes: int) -> dict[str, Any]:
+  """The explorer's figures for what XLA reports: arguments = state + batch, temporaries = gradients +
+  activations + MoE buffers + gathered weights, and the collectives it implies."""
   mem = built["memory_per_device"]
-  return {**got, "predicted_argument_bytes": mem["parameters"] + mem["optimizer"] + mem["other"] + got["batch_bytes"],
+  return {"predicted_argument_bytes": mem["parameters"] + mem["optimizer"] + mem["other"] + batch_bytes,
           "predicted_temp_bytes": sum(mem[k] for k in TEMP_KINDS),
           "predicted_collectives": expected_collectives(built["communication"])}
 
@@ -67,9 +73,7 @@ def compile_train_step(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
   trainer = step_lib.make_trainer(cfg, mesh)
   step = step_lib.compile_step(trainer, cfg, mesh)
   shape = (cfg.train.batch_size, cfg.train.seq_len)
-  dtypes = {"loss_mask": jnp.float32}
-  batch = {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=s)
-           for k, s in batch_shardings(mesh).items() if k in BATCH_KEYS}
+  batch = abstract_batch(cfg, mesh)
   with jax.set_mesh(mesh):
     compiled = step.lower(trainer.abstract_state, batch).compile()
   stats = compiled.memory_analysis()
@@ -79,6 +83,14 @@ def compile_train_step(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
           "alias_bytes": stats.alias_size_in_bytes, "temp_bytes": stats.temp_size_in_bytes,
           "batch_bytes": batch_bytes, "collectives": count_collectives(text, tuple(mesh.devices.shape)),
           "collective_total": dict(Counter(m.group(1) for m in COLLECTIVE.finditer(text)))}
+
+
+def abstract_batch(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch as shapes with their shardings (nothing allocated)."""
+  shape = (cfg.train.batch_size, cfg.train.seq_len)
+  dtypes = {"loss_mask": jnp.float32}
+  return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=s)
+          for k, s in batch_shardings(mesh).items() if k in BATCH_KEYS}
 
 
 def count_collectives(text: str, mesh_shape: tuple[int, ...]) -> dict[str, dict[str, int]]:

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from jaxseek.config import MESH_AXES, Config
-from jaxseek.model import moe as moe_lib
+from jaxseek.model import kernels, loss as loss_lib, moe as moe_lib
 from jaxseek.sharding import explore_layout as ex
 from jaxseek.sharding.rules import ACTIVATION_RULES, activation_rules, spec
 
@@ -100,8 +100,11 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
     else:
       out.append(Tensor("k, v (whole sequence)", "k", "attention", "BTGH", (B, T, G, H),
                         ("batch", None, "kv_heads", None), c, 2))
-  out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, S),
-                    ("batch", "heads", "length", None), 4, 2))
+  if ring or kernels.attention_kind(m.attention_impl, S, platform) == "dense":
+    out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, S),
+                      ("batch", "heads", "length", None), 4, 2))
+  else:  # blocked attention or a flash kernel keeps the log-sum-exp of each query row, not its scores
+    out.append(Tensor("softmax log-sum-exp", "lse", "attention", "BNT", (B, N, T), ("batch", "heads", "length"), 4, 1))
   return out
 
 
@@ -143,7 +146,7 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
          Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none * 2, a, 2),
          Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none * 2, 1, 2),
          Tensor("expert weights (gathered)", "w", "moe", "eDm", (e, D, mm), none * 3, c, 3)]
-  if moe_lib.matmul_kind(m.moe_matmul, platform) == "blocked":
+  if kernels.matmul_kind(m.moe_matmul, platform) == "blocked":
     # moe.ffn_blocked: rows padded per expert to blocks of n, visited one block at a time
     n = 2 ** int(math.log2(min(max(R // (4 * e), 8), 256)))
     blocks = -(-(R + e * (n - 1)) // n)
@@ -154,11 +157,17 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
   return out
 
 
-def head_tensors(cfg: Config, batch: int) -> list[Tensor]:
-  m = cfg.model
+def head_tensors(cfg: Config, batch: int, sizes: dict[str, int] | None = None) -> list[Tensor]:
+  """The head's float32 logits: of the whole batch (train.loss_impl=full), or of one chunk of its tokens."""
+  m, T = cfg.model, cfg.train.seq_len
   depth = 1 + m.num_nextn_predict_layers
-  return [Tensor("logits, softmax, their gradient", "logits", "head", "BTV", (batch, cfg.train.seq_len, m.vocab_size),
-                 ("batch", "length", "vocab"), 4, 3 * depth)]
+  if cfg.train.loss_impl == "full":
+    return [Tensor("logits, softmax, their gradient", "logits", "head", "BTV", (batch, T, m.vocab_size),
+                   ("batch", "length", "vocab"), 4, 3 * depth)]
+  shards = batch_shards(sizes) * sizes["context"] if sizes else 1
+  n = loss_lib.chunks(batch * T // shards, T, m.vocab_size, sizes["context"] if sizes else 1)
+  return [Tensor("logits of one token chunk, their gradient", "logits", "head", "BTV", (batch, T // n, m.vocab_size),
+                 ("batch", "length", "vocab"), 4, 2)]
 
 
 def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str,
@@ -185,7 +194,7 @@ def activation_rows(cfg: Config, sizes: dict[str, int], platform: str = "gpu") -
         continue
       seen.add((t.name, t.dims))
       rows.append(_row(t, sizes, where))
-  return rows + [_row(t, sizes, "head") for t in head_tensors(cfg, batch)]
+  return rows + [_row(t, sizes, "head") for t in head_tensors(cfg, batch, sizes)]
 
 
 def _row(t: Tensor, sizes: dict[str, int], where: str) -> dict[str, Any]:
@@ -229,7 +238,7 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
       runs.append((n, moe, B if S > 1 else B // M, sizes))
   outer_batch = B if S > 1 else B // M
   runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, outer_batch, sizes))
-  head = _split(head_tensors(cfg, outer_batch), sizes)[0]
+  head = _split(head_tensors(cfg, outer_batch, sizes), sizes)[0]
   out.update(_activations(cfg, [r for r in runs if r[0]], head, platform))
   if cfg.train.grad_compression != "none" and sizes["data"] > 1:  # the error-feedback residual, float32
     out["gradients"] += state["params"] * 4 // ITEMSIZE[cfg.train.param_dtype]

@@ -117,13 +117,21 @@ def print_communication(result: dict[str, Any], out: Console) -> None:
 
 
 def print_compiled(compiled: dict[str, Any], out: Console) -> None:
-  table = _table("Compiled train step (XLA, per device) vs analytic", "figure", "bytes (XLA)", "bytes (analytic)",
-                 "% difference")
+  where = f"for {compiled['devices']} × {compiled['device_kind']}, deviceless" if "target" in compiled else \
+      "on simulated CPU devices"
+  table = _table(f"Compiled train step (XLA {where}, per device) vs analytic", "figure", "bytes (XLA)",
+                 "bytes (analytic)", "% difference")
   for name, xla, analytic in (("arguments (state + batch)", compiled["argument_bytes"],
                                compiled["predicted_argument_bytes"]),
                               ("temporaries", compiled["temp_bytes"], compiled["predicted_temp_bytes"])):
     table.add_row(name, human(xla), human(analytic), f"{100 * (analytic / xla - 1):+.1f}")
   out.print(table)
+  if "target" in compiled:
+    table = _table("Kernels in the compiled module (custom calls)", "custom call", "count")
+    for name, count in sorted(compiled["custom_calls"].items()):
+      table.add_row(name, str(count))
+    out.print(table)
+    out.print(f"XLA total (arguments + outputs − aliased + temporaries): {human(compiled['total_bytes'])} per device")
   table = _table("Collectives in the compiled module (ops by mesh axes)", "collective", "axes", "count",
                  "analytic expects")
   expected = compiled["predicted_collectives"]

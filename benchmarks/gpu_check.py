@@ -1,0 +1,106 @@
+"""Each GPU kernel path against its reference path, on the GPU: value and gradients, bf16 inputs.
+
+  python benchmarks/gpu_check.py [--out FILE.jsonl]
+
+attention: tokamax Mosaic GPU / Triton flash attention vs the dense reference (MLA head dims 192/128 and grouped
+query attention 128/128, causal, packed documents); experts: tokamax's grouped GEMM vs the blocked path; loss:
+chunked vs full logits. Prints one line per check and appends JSON lines; exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxseek.model import flash, kernels, loss as loss_lib, moe
+from jaxseek.model.attention import dense_attention
+
+
+def rel_err(got, want) -> float:
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def compare(fn, ref, args, tol):
+  """Relative errors of value and gradients (wrt every argument) of fn against ref, both jitted."""
+  w = jax.random.normal(jax.random.key(9), jax.eval_shape(ref, *args).shape, jnp.float32)
+  both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(lambda *b: (f(*b).astype(jnp.float32) * w).sum(),
+                                                         argnums=tuple(range(len(a))))(*a)))
+  (out, grads), (rout, rgrads) = both(fn)(*args), both(ref)(*args)
+  errs = [rel_err(out, rout)] + [rel_err(g, r) for g, r in zip(grads, rgrads)]
+  return {"errors": errs, "ok": all(e <= tol for e in errs), "tol": tol}
+
+
+def attention_cases():
+  B, T = 2, 1024
+  segments = jnp.concatenate([jnp.full((B, 300), 1), jnp.full((B, 500), 2), jnp.full((B, 224), 3)], 1).astype(jnp.int32)
+  for name, N, G, K, P in [("mla 192/128", 16, 16, 192, 128), ("gqa 128, 16 over 4", 16, 4, 128, 128)]:
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (B, T, N, K), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, T, G, K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, G, P), jnp.bfloat16)
+    for packed in (False, True):
+      seg = segments if packed else None
+      ref = lambda q, k, v: dense_attention(q, k, v, seg, K**-0.5)
+      for impl in ("mosaic", "triton", "blocked"):
+        if impl == "blocked":
+          fn = lambda q, k, v: flash.attention(q, k, v, seg, K**-0.5)
+        else:
+          fn = lambda q, k, v, impl=impl: kernels.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
+        yield f"attention {impl} {name}{' packed' if packed else ''}", fn, ref, (q, k, v), 2e-2
+
+
+def expert_cases():
+  R, D, M, E = 8192, 2048, 512, 32
+  ks = jax.random.split(jax.random.key(1), 4)
+  sizes = jnp.asarray(np.random.default_rng(0).multinomial(R, np.ones(E) / E), jnp.int32)
+  x = jax.random.normal(ks[0], (R, D), jnp.bfloat16)
+  ws = [(jax.random.normal(kk, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for kk, s in zip(ks[1:], [(E, D, M), (E, D, M), (E, M, D)])]
+  ref = lambda x, *w: moe.ffn_blocked(x, sizes, *w)
+  for impl in ("mosaic", "triton"):
+    yield f"experts tokamax {impl}", lambda x, *w, impl=impl: moe.ffn_tokamax(x, sizes, *w, implementation=impl), \
+        ref, (x, *ws), 2e-2
+
+
+def loss_cases():
+  B, T, D, V = 4, 2048, 2048, 32768
+  ks = jax.random.split(jax.random.key(2), 3)
+  h = jax.random.normal(ks[0], (B, T, D), jnp.bfloat16)
+  head = (jax.random.normal(ks[1], (D, V), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  targets = jax.random.randint(ks[2], (B, T), 0, V)
+  mask = jnp.ones((B, T), jnp.float32)
+  loss = lambda impl: lambda h, head: loss_lib.cross_entropy_sum(h, head, targets, mask, impl)[None]
+  yield "loss chunked", loss("chunked"), loss("full"), (h, head), 1e-2
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  print(f"devices: {jax.devices()}", flush=True)
+  failed = 0
+  for cases in (attention_cases, expert_cases, loss_cases):
+    for name, fn, ref, inputs, tol in cases():
+      start = time.perf_counter()
+      try:
+        row = compare(fn, ref, inputs, tol)
+      except Exception as e:  # a kernel that does not build here is a failed check, not the end of the suite
+        row = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+      row.update(check=name, seconds=round(time.perf_counter() - start, 1), device=jax.devices()[0].device_kind)
+      failed += not row["ok"]
+      print(("ok   " if row["ok"] else "FAIL ") + name + f"  {row.get('errors', row.get('error'))}", flush=True)
+      if args.out:
+        with open(args.out, "a") as f:
+          f.write(json.dumps(row) + "\n")
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()

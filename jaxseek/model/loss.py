@@ -1,0 +1,93 @@
+"""The language-model loss from the final hidden states: head matmul, log-softmax and cross entropy, by chunks.
+
+  CE = Σ_t mask_t · (logsumexp_v(h_t·W_v) − h_t·W_{y_t})
+
+"chunked" (the default) never holds float32 logits for the whole batch: the tokens are visited in chunks, each
+chunk's logits [tokens, V] computed in the compute dtype with float32 accumulation and dropped after use; the
+backward recomputes them chunk by chunk (softmax − one-hot) and accumulates dW in float32. "full" materialises
+logits [B, T, V] (the reference). Chunk c holds the tokens t ≡ c (mod n) of every sequence, so a length split
+over devices (context parallelism) stays split inside each chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxseek.sharding import rules
+
+CHUNK_ELEMENTS = 2**26  # float32 logits per chunk and device: 256 MiB
+
+
+def cross_entropy_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array,
+                      impl: str = "chunked") -> jax.Array:
+  """Σ mask · cross entropy of logits h·W against the targets (float32), h and W in the compute dtype."""
+  if impl == "full":
+    logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
+    logits_BTV = rules.shard(logits_BTV, ("batch", "length", "vocab"))
+    return (optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT) * mask_BT).sum()
+  B, T, D = h_BTD.shape
+  n = chunk_count(B, T, head_DV.shape[1])
+  to_chunks = lambda a: jnp.moveaxis(a.reshape(B, T // n, n, *a.shape[2:]), 2, 0)  # [n, B, T/n, ...]
+  return _chunked_ce(to_chunks(h_BTD), head_DV, to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32)))
+
+
+def chunk_count(B: int, T: int, V: int) -> int:
+  """`chunks` for the active mesh's batch and length shards."""
+  shape = jax.sharding.get_abstract_mesh().shape if rules.has_mesh() else {}
+  shards = lambda name: math.prod(shape[a] for a in rules.mesh_axes(name)) if shape else 1
+  return chunks(B * T // (shards("batch") * shards("length")), T, V, shards("length"))
+
+
+def chunks(local_tokens: int, T: int, V: int, length_shards: int = 1) -> int:
+  """The fewest chunks n (a divisor of T) that keep one device's chunk of logits (local_tokens / n × V) within
+  CHUNK_ELEMENTS, with T/n still divisible by the length's shards."""
+  fits = [n for n in range(1, T + 1) if T % n == 0 and (T // n) % length_shards == 0]
+  return next((n for n in fits if max(local_tokens, 1) // n * V <= CHUNK_ELEMENTS), fits[-1])
+
+
+def _chunk_logits(h_BcD, head_DV):
+  return rules.shard(jnp.einsum("BcD,DV->BcV", h_BcD, head_DV, preferred_element_type=jnp.float32),
+                     ("batch", "length", "vocab"))
+
+
+@jax.custom_vjp
+def _chunked_ce(h_nBcD, head_DV, targets_nBc, mask_nBc):
+  return _chunked_fwd(h_nBcD, head_DV, targets_nBc, mask_nBc)[0]
+
+
+def _chunked_fwd(h_nBcD, head_DV, targets_nBc, mask_nBc):
+  def chunk(total, inputs):
+    h_BcD, targets_Bc, mask_Bc = inputs
+    logits_BcV = _chunk_logits(h_BcD, head_DV)
+    lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
+    target_Bc = jnp.take_along_axis(logits_BcV, targets_Bc[..., None], axis=-1)[..., 0]
+    return total + ((lse_Bc - target_Bc) * mask_Bc).sum(), lse_Bc
+
+  total, lse_nBc = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (h_nBcD, targets_nBc, mask_nBc))
+  return total, (h_nBcD, head_DV, targets_nBc, mask_nBc, lse_nBc)
+
+
+def _chunked_bwd(residuals, g):
+  h_nBcD, head_DV, targets_nBc, mask_nBc, lse_nBc = residuals
+  V = head_DV.shape[1]
+
+  def chunk(dhead_DV, inputs):
+    h_BcD, targets_Bc, mask_Bc, lse_Bc = inputs
+    probs_BcV = jnp.exp(_chunk_logits(h_BcD, head_DV) - lse_Bc[..., None])
+    onehot_BcV = jnp.arange(V)[None, None, :] == targets_Bc[..., None]
+    dlogits_BcV = ((probs_BcV - onehot_BcV) * (mask_Bc * g)[..., None]).astype(h_BcD.dtype)
+    dh_BcD = jnp.einsum("BcV,DV->BcD", dlogits_BcV, head_DV, preferred_element_type=jnp.float32)
+    dhead_DV = dhead_DV + jnp.einsum("BcD,BcV->DV", h_BcD, dlogits_BcV, preferred_element_type=jnp.float32)
+    return dhead_DV, dh_BcD.astype(h_BcD.dtype)
+
+  dhead_DV, dh_nBcD = jax.lax.scan(chunk, jnp.zeros(head_DV.shape, jnp.float32),
+                                   (h_nBcD, targets_nBc, mask_nBc, lse_nBc))
+  return dh_nBcD, dhead_DV.astype(head_DV.dtype), None, None
+
+
+_chunked_ce.defvjp(_chunked_fwd, _chunked_bwd)
+

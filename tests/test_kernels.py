@@ -1,0 +1,151 @@
+"""Every attention, expert-matmul and loss implementation against its reference, in value and gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxseek import config as config_lib
+from jaxseek.model import flash, kernels, loss as loss_lib, moe
+from jaxseek.model.attention import dense_attention
+
+B, T = 2, 48
+# packed rows: three documents, and one document with trailing padding (segment 0)
+SEGMENTS = np.array([[1] * 10 + [2] * 20 + [3] * 18, [4] * 40 + [0] * 8], np.int32)
+
+
+def qkv(N, G, K, P, t=T, dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(ks[0], (B, t, N, K), dtype), jax.random.normal(ks[1], (B, t, G, K), dtype),
+          jax.random.normal(ks[2], (B, t, G, P), dtype), jax.random.normal(ks[3], (B, t, N, P), jnp.float32))
+
+
+def value_and_grads(attend, q, k, v, w):
+  out = attend(q, k, v)
+  grads = jax.grad(lambda *a: (attend(*a).astype(jnp.float32) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+  return out, grads
+
+
+def assert_same(got, want, tol):
+  (out, grads), (ref_out, ref_grads) = got, want
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=tol, rtol=tol)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=tol, rtol=tol)
+
+
+# MLA-like (q/k head 12 = nope + rope, v 8, one key head per query head), grouped-query (6 heads over 2)
+@pytest.mark.parametrize("N,G,K,P", [(4, 4, 12, 8), (6, 2, 10, 10)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_blocked_attention_equals_dense(N, G, K, P, packed):
+  q, k, v, w = qkv(N, G, K, P)
+  seg = jnp.asarray(SEGMENTS) if packed else None
+  got = value_and_grads(lambda q, k, v: flash.attention(q, k, v, seg, 0.3, block=16), q, k, v, w)
+  assert_same(got, value_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, 0.3), q, k, v, w), 2e-5)
+
+
+def test_blocked_attention_query_slice_of_the_sequence():
+  """Context parallelism: queries 16..31 over all 48 keys, the keys' segment ids given apart."""
+  q, k, v, w = qkv(4, 2, 12, 8)
+  seg = jnp.asarray(SEGMENTS)
+  args = lambda q: (q[:, 16:32], k, v, seg[:, 16:32], 0.3, seg, 16)
+  want = dense_attention(*args(q))
+  got = flash.attention(*args(q), block=8)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  g = jax.grad(lambda k: (flash.attention(q[:, 16:32], k, v, seg[:, 16:32], 0.3, seg, 16, block=8)
+                          * w[:, 16:32]).sum())(k)
+  r = jax.grad(lambda k: (dense_attention(q[:, 16:32], k, v, seg[:, 16:32], 0.3, seg, 16) * w[:, 16:32]).sum())(k)
+  np.testing.assert_allclose(g, r, atol=2e-5)
+  assert float(jnp.abs(g[:, 32:]).max()) == 0.0  # keys after the last query get no gradient
+
+
+def test_blocked_attention_bfloat16_close_to_float32_reference():
+  q, k, v, w = qkv(4, 4, 12, 8)
+  bf = lambda a: a.astype(jnp.bfloat16)
+  got = value_and_grads(lambda q, k, v: flash.attention(q, k, v, None, 0.3, block=16), bf(q), bf(k), bf(v), w)
+  want = value_and_grads(lambda q, k, v: dense_attention(q, k, v, None, 0.3), q, k, v, w)
+  assert_same(got, want, 6e-2)
+
+
+def test_blocked_attention_skips_masked_causal_blocks():
+  """Query block i visits key blocks 0..i only: the key-block loop runs nq·(nq+1)/2 times, not nq²."""
+  q, k, v, _ = qkv(2, 2, 4, 4, t=64)
+  jaxpr = str(jax.make_jaxpr(lambda q, k, v: flash.attention(q, k, v, None, 1.0, block=16))(q, k, v))
+  assert "while" in jaxpr  # a loop whose trip count depends on the query block, not a fixed nq × nk scan
+  assert [int(flash._visible_blocks(i, 0, 16, 16, 4)) for i in range(4)] == [1, 2, 3, 4]
+  # queries 24..47 in blocks of 8 over key blocks of 16: last queries 31, 39, 47 reach key blocks 1, 2, 2
+  assert [int(flash._visible_blocks(i, 24, 8, 16, 4)) for i in range(3)] == [2, 3, 3]
+
+
+def test_block_size_divides_the_length():
+  assert flash.block_size(48, 16) == 16 and flash.block_size(100, 16) == 10 and flash.block_size(12, 16) == 12
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tokamax_mask_from_segments_equals_dense(packed):
+  """The GPU kernels' mask (per-query key ranges from segment starts), through tokamax's XLA implementation."""
+  pytest.importorskip("tokamax")
+  q, k, v, w = qkv(4, 4, 12, 8)
+  seg = jnp.asarray(SEGMENTS) if packed else None
+  got = value_and_grads(lambda q, k, v: kernels.tokamax_attention(q, k, v, seg, 0.3, implementation="xla_chunked"),
+                        q, k, v, w)
+  assert_same(got, value_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, 0.3), q, k, v, w), 2e-5)
+  sliced = kernels.tokamax_attention(q[:, 16:32], k, v, seg[:, 16:32] if packed else None, 0.3,
+                                     seg, 16, implementation="xla") if packed else None
+  if packed:
+    np.testing.assert_allclose(sliced, dense_attention(q[:, 16:32], k, v, seg[:, 16:32], 0.3, seg, 16), atol=2e-6)
+
+
+def test_segment_starts():
+  np.testing.assert_array_equal(kernels.segment_starts(jnp.asarray([[1, 1, 2, 2, 2, 0]])), [[0, 0, 2, 2, 2, 5]])
+
+
+def test_kernel_choice_follows_the_mesh_platform():
+  assert kernels.attention_kind("auto", 4096, "cpu") == "blocked"
+  assert kernels.attention_kind("auto", 256, "cpu") == "dense"  # one block: the same computation
+  assert kernels.matmul_kind("auto", "cpu") == "blocked" and kernels.matmul_kind("auto", "tpu") == "ragged_dot"
+  if kernels._has_tokamax():
+    assert kernels.attention_kind("auto", 4096, "gpu") == "mosaic"
+    assert kernels.matmul_kind("auto", "gpu") == "tokamax"
+  with pytest.raises(config_lib.UserError, match="model.attention_impl"):
+    kernels.attention_kind("mosaic", 4096, "cpu")
+  with pytest.raises(config_lib.UserError, match="model.moe_matmul"):
+    kernels.matmul_kind("tokamax", "cpu")
+
+
+def expert_inputs(R=40, D=12, M=10, E=5, seed=1):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  sizes = jnp.asarray([9, 0, 14, 7, 6], jnp.int32)  # 36 rows in groups, 4 past them
+  x = jax.random.normal(ks[0], (R, D))
+  ws = [jax.random.normal(kk, s) * 0.3 for kk, s in zip(ks[1:4], [(E, D, M), (E, D, M), (E, M, D)])]
+  return x, sizes, ws, jax.random.normal(ks[4], (R, D))
+
+
+def test_tokamax_grouped_matmul_path_equals_blocked():
+  """moe.ffn_tokamax (gate and up fused into one grouped GEMM) through tokamax's XLA implementation."""
+  pytest.importorskip("tokamax")
+  x, sizes, ws, w = expert_inputs()
+  used = (jnp.arange(x.shape[0]) < sizes.sum())[:, None]
+  run = lambda f: lambda x, *ws: jnp.where(used, f(x, sizes, *ws), 0)
+  tok = run(lambda *a: moe.ffn_tokamax(*a, implementation="xla"))
+  ref = run(moe.ffn_blocked)
+  np.testing.assert_allclose(tok(x, *ws), ref(x, *ws), atol=1e-5)
+  gt = jax.grad(lambda *a: (tok(*a) * w).sum(), argnums=(0, 1, 2, 3))(x, *ws)
+  gr = jax.grad(lambda *a: (ref(*a) * w).sum(), argnums=(0, 1, 2, 3))(x, *ws)
+  for a, b in zip(gt, gr):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_loss_equals_full_logits(monkeypatch, dtype):
+  monkeypatch.setattr(loss_lib, "CHUNK_ELEMENTS", 4 * 37)  # chunks of 4 tokens of a 37-word vocabulary
+  ks = jax.random.split(jax.random.key(2), 3)
+  h = jax.random.normal(ks[0], (3, 16, 8)).astype(dtype)
+  head = (jax.random.normal(ks[1], (8, 37)) * 0.5).astype(dtype)
+  targets = jax.random.randint(ks[2], (3, 16), 0, 37)
+  mask = (jnp.arange(16)[None] < jnp.asarray([[16], [9], [3]])).astype(jnp.float32)
+  assert loss_lib.chunk_count(3, 16, 37) == 16  # 48 tokens, at most 4 per chunk → 12 needed, 16 divides T
+  f = lambda impl: lambda h, head: loss_lib.cross_entropy_sum(h, head, targets, mask, impl)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(f("chunked")(h, head), f("full")(h, head), rtol=tol)
+  for a, b in zip(jax.grad(f("chunked"), argnums=(0, 1))(h, head), jax.grad(f("full"), argnums=(0, 1))(h, head)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
