@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 GPU_VENV := .venv-gpu
 JAX_VERSION = $(shell $(BIN)/python -c "import jax; print(jax.__version__)")
 
-.PHONY: demo test test-gpu-compile install install-dev clean
+.PHONY: demo test test-gpu-compile gpu-wheels install install-dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ $(GPU_VENV)/.installed: pyproject.toml | $(VENV)/.installed
 
 test-gpu-compile: $(GPU_VENV)/.installed
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q tests_gpu
+
+# wheels for benchmarks/gpu_suite.sh on a GPU machine without network (Python 3.11-3.13, x86-64 Linux)
+gpu-wheels: | $(VENV)/.installed
+	mkdir -p benchmarks/wheels
+	for v in 3.11 3.12 3.13; do \
+	  $(PIP) download --no-deps --only-binary=:all: --python-version $$v --platform manylinux2014_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d benchmarks/wheels \
+	    $$(grep -v '^#' benchmarks/gpu-wheels.txt) || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) runs .pytest_cache

@@ -11,6 +11,7 @@ benchmarks/results.jsonl.
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 
@@ -45,7 +46,7 @@ def main() -> None:
                                           params=timer.n_params, batch=cfg.train.batch_size, seq=cfg.train.seq_len,
                                           dtype=cfg.train.compute_dtype, compile_s=timer.compile_s,
                                           tokens_per_sec=tps, tflops=tflops, peak_tflops=peak, mfu=tflops / peak,
-                                          peak_memory_gib=peak_gib))
+                                          peak_memory_gib=peak_gib, xla_flags=os.environ.get("XLA_FLAGS", "")))
 
 
 if __name__ == "__main__":
