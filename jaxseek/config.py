@@ -62,13 +62,14 @@ class ModelConfig:
   # The grouped matmul of the routed experts: "blocked" (rows padded per expert to blocks, one block's matmuls
   # at a time: work ≈ the routed rows), "ragged_dot" (`lax.ragged_dot`: a grouped GEMM where the backend has
   # one, else a dense product with every expert), "tokamax" / "tokamax_triton" (tokamax's Mosaic GPU / Triton
-  # grouped GEMM kernels, forward and backward; GPU only); "auto" picks tokamax on GPU (blocked when tokamax is
-  # not installed), blocked on CPU, ragged_dot on TPU.
+  # grouped GEMM kernels, forward and backward; GPU only, 16-bit inputs); "auto" picks tokamax on GPU (blocked
+  # for float32 compute or without tokamax), blocked on CPU, ragged_dot on TPU.
   moe_matmul: Literal["auto", "blocked", "ragged_dot", "tokamax", "tokamax_triton"] = "auto"
   # Attention (jaxseek's own key): "dense" (the reference: scores [T, S] in memory), "blocked" (online softmax
   # over key blocks, fully masked causal blocks skipped, memory linear in the length: any backend), or a tokamax
-  # GPU kernel: "mosaic" (Mosaic GPU flash attention, Hopper and later), "triton", "cudnn". "auto": mosaic on
-  # GPU, blocked elsewhere (dense when the sequence is one block). jaxseek/model/kernels.py.
+  # GPU kernel: "mosaic" (Mosaic GPU flash attention, Hopper and later, 16-bit inputs), "triton", "cudnn".
+  # "auto": mosaic on GPU (triton for float32), blocked elsewhere (dense when the sequence is one block).
+  # jaxseek/model/kernels.py, docs/kernels.md.
   attention_impl: Literal["auto", "dense", "blocked", "mosaic", "triton", "cudnn"] = "auto"
   # Attention under context parallelism (jaxseek's own key): "gather" the keys and values (MLA: its latent) over
   # the axis at once, or pass their chunks round a "ring" (one chunk's keys, values and scores at a time: less

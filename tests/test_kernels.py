@@ -108,6 +108,11 @@ def test_kernel_choice_follows_the_mesh_platform():
     assert kernels.matmul_kind("auto", "gpu") == "tokamax"
   with pytest.raises(config_lib.UserError, match="model.attention_impl"):
     kernels.attention_kind("mosaic", 4096, "cpu")
+  with pytest.raises(config_lib.UserError, match="bfloat16"):
+    kernels.matmul_kind("tokamax", "gpu", jnp.float32)
+  if kernels._has_tokamax():
+    assert kernels.attention_kind("auto", 4096, "gpu", jnp.float32) == "triton"
+    assert kernels.matmul_kind("auto", "gpu", jnp.float32) == "blocked"
   with pytest.raises(config_lib.UserError, match="model.moe_matmul"):
     kernels.matmul_kind("tokamax", "cpu")
 

@@ -50,7 +50,7 @@ def test_no_score_matrix_no_dense_expert_expansion_no_full_logits():
   B, T, E, K, V = 8, 1024, 32, 4, 32768
   hlo = compile_bench("bench-v3-1b", f"train.batch_size={B}", f"train.seq_len={T}")["hlo"]
   shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"\b(?:f32|bf16|f16)\[([\d,]+)\]", hlo)}
-  assert not [s for s in shapes if s[-2:] == (T, T)]
+  assert not [s for s in shapes if len(s) >= 3 and s[-2:] == (T, T)]  # 2-D [1024, 1024]: XLA's views of weights
   assert not [s for s in shapes if E in s and B * T * K in s]
   assert not [s for s in shapes if V in s and (B * T in s or (B in s and T in s))]
 

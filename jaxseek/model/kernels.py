@@ -3,10 +3,10 @@
 Choices are resolved from the platform of the active mesh's devices, not from `jax.default_backend()`, so a
 deviceless compile for a GPU target on a CPU machine picks the GPU kernels.
 
-  model.attention_impl  auto: on GPU tokamax's Mosaic GPU flash attention; elsewhere jaxseek's blocked
+  model.attention_impl  auto: on GPU tokamax's Mosaic GPU flash attention (Triton for float32); elsewhere the blocked
                         attention (`flash.py`), or the dense reference when the whole sequence is one block
                         dense | blocked | mosaic | triton | cudnn (the last three: tokamax, GPU only)
-  model.moe_matmul      auto: tokamax's grouped GEMM on GPU, blocked on CPU, ragged_dot on TPU
+  model.moe_matmul      auto: tokamax's grouped GEMM on GPU (bf16/f16), else blocked; ragged_dot on TPU
                         blocked | ragged_dot | tokamax | tokamax_triton
 """
 
@@ -32,31 +32,42 @@ def platform() -> str:
   return "gpu" if name in ("cuda", "rocm", "gpu") else name
 
 
-def attention_kind(setting: str, length: int, where: str | None = None) -> str:
-  """model.attention_impl resolved for a sequence of `length` keys on platform `where` (default: the mesh's)."""
+def attention_kind(setting: str, length: int, where: str | None = None, dtype=jnp.bfloat16,
+                   tokamax: bool | None = None) -> str:
+  """model.attention_impl resolved for a sequence of `length` keys of `dtype` on platform `where` (default: the
+  mesh's). On GPU auto is Mosaic GPU for 16-bit inputs and Triton for float32 (Mosaic's kernels take 16-bit
+  matmuls only). `tokamax`: whether tokamax is installed (None: look; the explorer plans a GPU install)."""
   where = where or platform()
   if setting == "auto":
-    if where == "gpu" and _has_tokamax():
-      return "mosaic"
+    if where == "gpu" and (_has_tokamax() if tokamax is None else tokamax):
+      return "mosaic" if jnp.dtype(dtype).itemsize == 2 else "triton"
     return "dense" if length <= flash.BLOCK else "blocked"
   if setting in GPU_ATTENTION and where != "gpu":
     raise UserError(f"config key model.attention_impl: {setting} is a GPU kernel but the mesh's devices are "
                     f"{where}; use auto, blocked or dense")
+  if setting == "mosaic" and jnp.dtype(dtype).itemsize != 2:
+    raise UserError("config key model.attention_impl: mosaic takes bfloat16 or float16 inputs; set "
+                    "train.compute_dtype=bfloat16, or use triton or auto")
   return setting
 
 
-def matmul_kind(setting: str, where: str | None = None) -> str:
-  """model.moe_matmul resolved for a platform. auto: tokamax's grouped GEMM on GPU (XLA:GPU lowers `ragged_dot`
-  to a dense product with every expert), blocked on CPU (the same rewrite, and no grouped GEMM), ragged_dot on
+def matmul_kind(setting: str, where: str | None = None, dtype=jnp.bfloat16, tokamax: bool | None = None) -> str:
+  """model.moe_matmul resolved for a platform and compute dtype. auto: tokamax's grouped GEMM on GPU for 16-bit
+  inputs (XLA:GPU lowers `ragged_dot` to a dense product with every expert; tokamax's kernels take 16-bit
+  inputs only, so float32 stays blocked), blocked on CPU (the same rewrite, and no grouped GEMM), ragged_dot on
   TPU."""
   where = where or platform()
   if setting == "auto":
     if where == "gpu":
-      return "tokamax" if _has_tokamax() else "blocked"
+      installed = _has_tokamax() if tokamax is None else tokamax
+      return "tokamax" if installed and jnp.dtype(dtype).itemsize == 2 else "blocked"
     return "ragged_dot" if where == "tpu" else "blocked"
   if setting in GPU_MATMUL and where != "gpu":
     raise UserError(f"config key model.moe_matmul: {setting} is a GPU kernel but the mesh's devices are {where}; "
                     f"use auto, blocked or ragged_dot")
+  if setting in GPU_MATMUL and jnp.dtype(dtype).itemsize != 2:
+    raise UserError(f"config key model.moe_matmul: {setting} takes bfloat16 or float16 inputs; set "
+                    f"train.compute_dtype=bfloat16, or use auto or blocked")
   return setting
 
 

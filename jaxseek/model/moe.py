@@ -221,7 +221,7 @@ def ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, implementation=
 def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str = "auto") -> jax.Array:
   """SwiGLU of rows sorted by expert (group e has sizes_E[e] rows; rows past the groups give zeros), by the
   grouped matmul `matmul` (model.moe_matmul) resolves to (`kernels.matmul_kind`)."""
-  kind = kernels.matmul_kind(matmul)
+  kind = kernels.matmul_kind(matmul, dtype=x_RD.dtype)
   if kind in kernels.GPU_MATMUL:
     return ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, kernels.GPU_MATMUL[kind])
   ffn = ffn_blocked if kind == "blocked" else ffn_ragged
@@ -346,7 +346,7 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   # Under the vmap over data shards of train.grad_compression (spmd_axis_name="data"), JAX's varying-axes check
   # counts the per-shard values as varying over data, which no spec here may name: the check is off there. It is
   # off for tokamax's kernels too, whose backward gives weight gradients without varying-axes types.
-  check = not rules.reserved_axes() and kernels.matmul_kind(matmul) not in kernels.GPU_MATMUL
+  check = not rules.reserved_axes() and kernels.matmul_kind(matmul, dtype=w_gate_EDM.dtype) not in kernels.GPU_MATMUL
   return jax.shard_map(local, in_specs=(tokens, seqs, replicated, replicated, w_in, w_in, w_out),
                        out_specs=(tokens, replicated, rules.activation_spec(("batch",)), replicated),
                        check_vma=check)(*args)

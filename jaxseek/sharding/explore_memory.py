@@ -100,7 +100,7 @@ def attention_tensors(cfg: Config, batch: int, platform: str = "gpu", context: i
     else:
       out.append(Tensor("k, v (whole sequence)", "k", "attention", "BTGH", (B, T, G, H),
                         ("batch", None, "kv_heads", None), c, 2))
-  if ring or kernels.attention_kind(m.attention_impl, S, platform) == "dense":
+  if ring or kernels.attention_kind(m.attention_impl, S, platform, cfg.train.compute_dtype, tokamax=True) == "dense":
     out.append(Tensor("scores, probabilities", "scores", "attention", "BNTS", (B, N, T, S),
                       ("batch", "heads", "length", None), 4, 2))
   else:  # blocked attention or a flash kernel keeps the log-sum-exp of each query row, not its scores
@@ -146,7 +146,7 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
          Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none * 2, a, 2),
          Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none * 2, 1, 2),
          Tensor("expert weights (gathered)", "w", "moe", "eDm", (e, D, mm), none * 3, c, 3)]
-  if kernels.matmul_kind(m.moe_matmul, platform) == "blocked":
+  if kernels.matmul_kind(m.moe_matmul, platform, cfg.train.compute_dtype, tokamax=True) == "blocked":
     # moe.ffn_blocked: rows padded per expert to blocks of n, visited one block at a time
     n = 2 ** int(math.log2(min(max(R // (4 * e), 8), 256)))
     blocks = -(-(R + e * (n - 1)) // n)
