@@ -2,29 +2,35 @@
 # Each creates .venv (python3 -m venv) when missing and installs what it needs.
 # make test-gpu-compile: compile the real train step for an H200 on this machine (no GPU needed) and check its
 # memory and kernels; it creates .venv-gpu with the CUDA build of JAX (about 5.5 GB of wheels).
+# Every install pins what CI passes with (constraints.txt); make lock rewrites it from the versions in .venv.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+LOCK := constraints.txt
 
 GPU_VENV := .venv-gpu
 JAX_VERSION = $(shell $(BIN)/python -c "import jax; print(jax.__version__)")
 
-.PHONY: demo test test-gpu-compile gpu-wheels install install-dev clean
+.PHONY: demo test test-gpu-compile gpu-wheels install install-dev lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(PIP) install -e .
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(BIN)/python
+	$(PIP) install -c $(LOCK) -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(PIP) install -e ".[dev,convert,plot]"
+$(VENV)/.installed-dev: pyproject.toml $(LOCK) | $(BIN)/python
+	$(PIP) install -c $(LOCK) -e ".[dev,convert,plot]"
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+
+# constraints.txt from the versions installed in .venv (upgrade one there first: .venv/bin/pip install -U NAME)
+lock: | $(VENV)/.installed-dev
+	$(BIN)/python scripts/lock.py --extras dev,convert,plot --out $(LOCK)
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m jaxseek.train --config configs/demo.yaml
@@ -32,9 +38,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n 2 tests
 
-$(GPU_VENV)/.installed: pyproject.toml | $(VENV)/.installed
+# the CUDA packages (jax-cuda12-*, nvidia-*) are not in constraints.txt; everything else is pinned by it
+$(GPU_VENV)/.installed: pyproject.toml $(LOCK) | $(VENV)/.installed
 	$(PYTHON) -m venv $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[gpu,dev]" "jax[cuda12]==$(JAX_VERSION)"
+	$(GPU_VENV)/bin/python -m pip --disable-pip-version-check -q install -c $(LOCK) -e ".[gpu,dev]" \
+	  "jax[cuda12]==$(JAX_VERSION)"
 	touch $@
 
 test-gpu-compile: $(GPU_VENV)/.installed
