@@ -22,7 +22,7 @@ from jaxseek import optim
 from jaxseek.errors import UserError
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
-from jaxseek.model.transformer import shift_left
+from jaxseek.model.transformer import shift_left, target_exists
 from jaxseek.sharding import compression
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding import rules
@@ -159,10 +159,7 @@ def _split_microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Ar
 
 def mtp_mask(batch: dict[str, jax.Array], k: int) -> jax.Array:
   """Where depth k's target t_{i+k+1} exists: the main target at i+k counts and i+k is in i's document."""
-  mask_BT = shift_left(batch["loss_mask"], k)
-  if "segment_ids" in batch:
-    mask_BT = mask_BT * (shift_left(batch["segment_ids"], k, fill=-1) == batch["segment_ids"])
-  return mask_BT
+  return target_exists(batch["loss_mask"], batch.get("segment_ids"), k)
 
 
 def with_mtp_arrays(batch: dict[str, jax.Array], depth: int) -> dict[str, jax.Array]:
@@ -219,7 +216,9 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   def loss_fn(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
     mtp_inputs = [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
-    h_BTD, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), mtp_inputs, logits=False)
+    mtp_valid = [mb[f"mtp_mask_{k}"] for k in range(1, depth + 1)]
+    h_BTD, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), mtp_inputs, mtp_valid,
+                               logits=False)
     head_DV = model.head()
     ce = lambda h, targets, mask: loss_lib.cross_entropy_sum(h, head_DV, targets, mask, cfg.train.loss_impl)
     ce_sum = ce(h_BTD, mb["targets"], mb["loss_mask"])

@@ -264,6 +264,23 @@ def test_config_json_rope_parameters_and_ignored_keys():
   assert (v3.scoring_func, v3.topk_method) == ("sigmoid", "noaux_tc")
 
 
+def test_v2_norm_topk_prob_says_in_one_line_that_transformers_differs(capsys):
+  """transformers' DeepseekV2 never renormalises the top-k weights; jaxseek does, as DeepSeek's reference."""
+  raw = {"model_type": "deepseek_v2", "n_routed_experts": 8, "moe_intermediate_size": 4, "num_experts_per_tok": 2,
+         "hidden_size": 40, "num_attention_heads": 4, "kv_lora_rank": 20, "qk_nope_head_dim": 12,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "q_lora_rank": None}
+  hf.model_config({**raw, "norm_topk_prob": False}, 0)
+  assert capsys.readouterr().err == ""
+  cfg = hf.model_config({**raw, "norm_topk_prob": True}, 0)
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("warning: deepseek_v2 norm_topk_prob=true")
+  assert "transformers" in err and "renormalises" in err
+  hf.hf_config(cfg, "float32")  # exporting it for transformers says so too
+  assert capsys.readouterr().err == err
+  hf.model_config({**raw, "model_type": "deepseek_v3", "norm_topk_prob": True}, 0)  # V3: both renormalise
+  assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("key,value", [("hidden_act", "gelu"), ("mlp_bias", True), ("attention_bias", True),
                                        ("moe_layer_freq", 2), ("sliding_window", 4096),
                                        ("rope_parameters", {"rope_type": "llama3", "factor": 8.0})])

@@ -19,7 +19,9 @@ def rms(x, w, eps):
 
 
 def test_mtp_logits_follow_the_equations():
-  """h'_i = [enorm(Emb(t_{i+k})); hnorm(h_i^{k-1})] · W_eh, h^k = norm(Block(h')), logits = h^k · Head."""
+  """h'_i = [enorm(Emb(t_{i+k})); hnorm(h_i^{k-1})] · W_eh, h^k = Block(h'), logits = norm(h^k) · Head; depth 1
+  reads the main model's normed output, depth 2 the un-normed h^1; each depth's MoE sees only positions that
+  have a target (the last k positions have none)."""
   cfg = load_config("tiny-v3", "model.num_nextn_predict_layers=2").model
   model = model_lib.build(cfg, seed=3)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
@@ -32,9 +34,14 @@ def test_mtp_logits_follow_the_equations():
     w_eh = np.concatenate([np.asarray(layer.w_e_DD[...]), np.asarray(layer.w_h_DD[...])], axis=0)  # [2D, D]
     fused = np.concatenate([rms(table[future], layer.enorm.scale_D[...], eps), rms(h, layer.hnorm.scale_D[...], eps)],
                            axis=-1) @ w_eh
-    out, _ = layer.block(jnp.asarray(fused, jnp.float32), positions, None, jnp.ones((2, 11)))
-    h = rms(out, layer.norm.scale_D[...], eps)
-    np.testing.assert_allclose(aux["mtp_logits"][k - 1], h @ head, rtol=2e-5, atol=2e-5)
+    has_target = jnp.asarray(np.arange(11) < 11 - k, jnp.float32)[None].repeat(2, 0)  # t_{i+k+1} exists
+    out, block_aux = layer.block(jnp.asarray(fused, jnp.float32), positions, None, has_target)
+    np.testing.assert_allclose(aux["mtp_logits"][k - 1], rms(out, layer.norm.scale_D[...], eps) @ head,
+                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(aux["mtp_load"][k - 1], block_aux["load"], atol=1e-6)
+    assert float(aux["mtp_load"][k - 1].sum()) == cfg.num_experts_per_tok * 2 * (11 - k)
+    np.testing.assert_allclose(aux["mtp_balance"][k - 1], block_aux["balance"], rtol=1e-5)
+    h = np.asarray(out, np.float64)  # the next depth reads h^k before the shared head's norm
   assert aux["mtp_logits"].shape == (2, 2, 11, cfg.vocab_size)
 
 

@@ -28,6 +28,9 @@ VARIANTS = {
     "v3_q_lora_yarn": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
         **COMMON, **MLA, **MOE, q_lora_rank=18, n_shared_experts=1, num_experts_per_tok=3, norm_topk_prob=True,
         routed_scaling_factor=2.5, rope_parameters=dict(**YARN, mscale=1.0, mscale_all_dim=1.0))),
+    "v3_eps_1e-5": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(  # MLA latents: 1e-6
+        **dict(COMMON, rms_norm_eps=1e-5), **MLA, **MOE, q_lora_rank=18, n_shared_experts=1, num_experts_per_tok=3,
+        norm_topk_prob=True, routed_scaling_factor=2.5)),
     "v2_q_lora_group_limited": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, dict(
         **COMMON, **MLA, **MOE, q_lora_rank=18, n_shared_experts=2, num_experts_per_tok=3,
         topk_method="group_limited_greedy", routed_scaling_factor=16.0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 import types
 import typing
 from pathlib import Path
@@ -200,7 +201,16 @@ def model_config(raw: dict[str, Any], mtp_depth: int) -> ModelConfig:
   values["num_nextn_predict_layers"] = mtp_depth
   cfg = config_lib.from_dict({"model": values})
   config_lib.validate(cfg)
+  warn_v2_topk_norm(cfg.model)
   return cfg.model
+
+
+def warn_v2_topk_norm(cfg: ModelConfig) -> None:
+  """One line on stderr where transformers and jaxseek route a V2 model differently."""
+  if cfg.model_type == "deepseek_v2" and cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+    print("warning: deepseek_v2 norm_topk_prob=true: jaxseek renormalises the top-k routing weights as DeepSeek's "
+          "reference code does (and then does not apply routed_scaling_factor); transformers' DeepseekV2 ignores "
+          "norm_topk_prob, so its logits will differ", file=sys.stderr, flush=True)
 
 
 def _optional(key: str) -> bool:
@@ -240,6 +250,7 @@ _COMMON_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   """The config.json that transformers (or DeepSeek's own code, for model_type deepseek) loads for `cfg`."""
+  warn_v2_topk_norm(cfg)
   out: dict[str, Any] = {"architectures": [ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type,
                          "torch_dtype": dtype, "hidden_act": "silu", "attention_bias": False}
   keys = _COMMON_KEYS + (_MLA_KEYS if cfg.is_mla else ()) + (_MOE_KEYS if cfg.is_moe else ())

@@ -117,6 +117,9 @@ class Attention(nnx.Module):
     return jnp.einsum("BTNH,NHD->BTD", out_BTNH, w(self.w_o_NHD))
 
 
+LATENT_NORM_EPS = 1e-6  # DeepSeek's RMSNorm default, used for MLA's q and kv latents
+
+
 class MLA(nnx.Module):
   """Multi-head latent attention (DeepSeek-V2 §2.1).
 
@@ -124,12 +127,15 @@ class MLA(nnx.Module):
   part R per head. Keys and values come from one compressed latent c_kv = norm(W_dkv · x) [C] plus one RoPE
   key k_r = RoPE(W_kr · x) [R] shared by all heads: k = [W_uk · c_kv ; k_r], v = W_uv · c_kv.
   Softmax scale = (H + R)^-½ · mscale² (YaRN).
+
+  The two latent norms use eps = 1e-6 whatever `rms_norm_eps` says, as DeepSeek's reference code and
+  transformers build them (`LATENT_NORM_EPS`).
   """
 
   def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
     D, N = cfg.hidden_size, cfg.num_attention_heads
     H, R, P, C, Q = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
-    std, eps = cfg.initializer_range, cfg.rms_norm_eps
+    std, eps = cfg.initializer_range, LATENT_NORM_EPS
     if Q:
       self.w_dq_DQ = param(rngs, (D, Q), ("embed", "q_lora"), param_dtype, std)
       self.q_norm = RMSNorm(Q, eps, param_dtype=param_dtype, rngs=rngs, name="q_lora")

@@ -82,7 +82,9 @@ class MTPLayer(nnx.Module):
   """One multi-token-prediction depth k (DeepSeek-V3 §2.2).
 
   h'_i = W_e · enorm(Emb(t_{i+k})) + W_h · hnorm(h_i^{k-1})   (eh_proj on the concatenation, split in two)
-  h_i^k = norm(Block(h'_i)),  logits_i^k = Head(h_i^k) predicts t_{i+k+1}; Emb and Head are the main model's.
+  h_i^k = Block(h'_i),  logits_i^k = Head(norm(h_i^k)) predicts t_{i+k+1}; Emb and Head are the main model's.
+  Depth 1 reads the main model's normed output; depth k+1 reads h^k before `norm` (the norm belongs to the
+  shared head, as in DeepSeek-V3's checkpoint layout `shared_head.norm`).
   """
 
   def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
@@ -100,12 +102,20 @@ class MTPLayer(nnx.Module):
     x_BTD = (jnp.einsum("BTD,DE->BTE", self.enorm(emb_BTD), w(self.w_e_DD))
              + jnp.einsum("BTD,DE->BTE", self.hnorm(h_BTD), w(self.w_h_DD)))
     x_BTD, aux = self.block(shard(x_BTD, ACT_BTD), positions_BT, segment_ids_BT, valid_BT)
-    return self.norm(x_BTD), aux
+    return x_BTD, self.norm(x_BTD), aux
 
 
 def shift_left(x_BT: jax.Array, k: int, fill=0) -> jax.Array:
   """x[:, i + k] at position i; the last k positions get `fill`."""
   return jnp.concatenate([x_BT[:, k:], jnp.full((x_BT.shape[0], k), fill, x_BT.dtype)], axis=1)
+
+
+def target_exists(valid_BT: jax.Array, segment_ids_BT: jax.Array | None, k: int) -> jax.Array:
+  """1.0 where multi-token-prediction depth k has a target in token order: i+k is a valid token of i's document."""
+  valid_BT = shift_left(valid_BT, k)
+  if segment_ids_BT is not None:
+    valid_BT = valid_BT * (shift_left(segment_ids_BT, k, fill=-1) == segment_ids_BT)
+  return valid_BT
 
 
 class Transformer(nnx.Module):
@@ -136,7 +146,7 @@ class Transformer(nnx.Module):
 
   def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
               segment_ids_BT: jax.Array | None = None,
-              mtp_tokens: list[jax.Array] | None = None,
+              mtp_tokens: list[jax.Array] | None = None, mtp_valid: list[jax.Array] | None = None,
               logits: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns float32 logits [B, T, V] and aux: hidden [B, T, D], per-MoE-layer `load` [L, E], `balance` [L, B],
     and with multi-token prediction `mtp_logits` [depth, B, T, V] (depth k at position i predicts t_{i+k+1}),
@@ -146,7 +156,8 @@ class Transformer(nnx.Module):
 
     `segment_ids` > 0 label packed documents (attention stays inside one); 0 marks padding. `mtp_tokens[k-1]`:
     the token depth k reads at each position, t_{i+k} (default: the tokens shifted left by k, which holds
-    when the sequence is stored in token order).
+    when the sequence is stored in token order). `mtp_valid[k-1]`: where depth k has a target (1.0) — only
+    those positions count in its MoE loads and balance loss (default: i+k is a real token of i's document).
     """
     B, T = tokens_BT.shape
     if positions_BT is None:
@@ -163,8 +174,9 @@ class Transformer(nnx.Module):
     mtp = [], [], [], []
     for k, layer in enumerate(self.mtp_layers, start=1):
       ahead_BT = shift_left(tokens_BT, k) if mtp_tokens is None else mtp_tokens[k - 1]
-      h_BTD, layer_aux = layer(self.embed(ahead_BT), h_BTD, positions_BT, segment_ids_BT, valid_BT)
-      mtp[0].append(h_BTD)
+      valid_k_BT = mtp_valid[k - 1] if mtp_valid is not None else target_exists(valid_BT, segment_ids_BT, k)
+      h_BTD, normed_BTD, layer_aux = layer(self.embed(ahead_BT), h_BTD, positions_BT, segment_ids_BT, valid_k_BT)
+      mtp[0].append(normed_BTD)
       if layer_aux:
         mtp[1].append(layer_aux["load"])
         mtp[2].append(layer_aux["balance"])
