@@ -34,7 +34,7 @@ def main() -> None:
   from jaxseek import step as step_lib
   from jaxseek.config import MESH_AXES, load
   from jaxseek.input import global_batches
-  from jaxseek.sharding import explore_compile
+  from jaxseek.explore import compile as explore_compile
   from jaxseek.sharding.mesh import make_mesh
 
   base = None

@@ -558,7 +558,7 @@ def override(merged: dict[str, Any], t: Translation, overrides: list[str]) -> No
 
 def check(merged: dict[str, Any], cluster: Cluster) -> config_lib.Config:
   """The same validation as `python -m jaxseek.train`, for the cluster's device count."""
-  from jaxseek.sharding import explore
+  from jaxseek.explore import core as explore
 
   cfg = config_lib.from_dict(merged)
   config_lib.validate(cfg)

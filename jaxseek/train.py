@@ -20,7 +20,7 @@ from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import metrics as metrics_lib
 from jaxseek import faults
 from jaxseek.errors import RunStopped, UserError, cli
-from jaxseek.sharding import explore_suggest
+from jaxseek.explore import suggest as explore_suggest
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.step import TrainState, Trainer, check_setup, compile_step, make_trainer

@@ -66,8 +66,8 @@ def _memory_summary(cfg, cluster: deepspeed.Cluster, device_memory: str) -> None
   """The explorer's memory table for the translated config on the cluster (stderr)."""
   from rich.console import Console
 
-  from jaxseek.sharding import explore
-  from jaxseek.sharding import explore_report as report
+  from jaxseek.explore import core as explore
+  from jaxseek.explore import report
 
   hw = explore.hardware(device_memory, devices_per_node=cluster.gpus_per_node)
   result = explore.plan(explore.describe(cfg), explore.mesh_sizes(cfg, cluster.devices), hw)

@@ -10,8 +10,8 @@ import pytest
 from conftest import load_config
 from jaxseek import step as step_lib
 from jaxseek.config import MESH_AXES
+from jaxseek.explore import compile as explore_compile
 from jaxseek.input import global_batches
-from jaxseek.sharding import explore_compile
 from jaxseek.sharding.mesh import make_mesh
 from test_pipeline import run
 

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 from conftest import CONFIGS, ROOT, load_config
-from jaxseek import explore as explore_cli
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError
+from jaxseek.explore import __main__ as explore_cli
+from jaxseek.explore import compile as explore_compile
+from jaxseek.explore import core as explore
+from jaxseek.explore import layout as explore_layout
+from jaxseek.explore import suggest as explore_suggest
 from jaxseek.input.pipeline import batch_shardings
-from jaxseek.sharding import explore, explore_compile, explore_layout, explore_suggest
 from jaxseek.sharding.mesh import make_mesh
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -91,6 +94,50 @@ def golden_text(layout):
     else:
       parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
   return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def leaves_by_path(tree):
+  """The arrays of a state tree by path: dict keys and attribute names joined by ".", nnx's "value" left out."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))) for k in path]
+    out[".".join(k for k in keys if k != "value")] = leaf
+  return out
+
+
+@pytest.mark.parametrize("path", sorted(GOLDEN.glob("explore-*.json")), ids=lambda p: p.stem)
+def test_golden_state_bytes_equal_the_real_sharded_state(path):
+  """The golden files are written by the explorer, so each is checked against the trainer's real state (zeros
+  placed with `state_shardings` on the golden's mesh of 8 devices): every parameter's bytes per device, every
+  optimiser row (slot × stack) and the state totals equal those of the fullest device, in the file and in the
+  explorer's plan now."""
+  name, mesh = path.stem.removeprefix("explore-").rsplit("-", 1)
+  golden = json.loads(path.read_text())
+  assert golden["mesh"] == sizes_of(mesh)
+  cfg = load_config(name, *mesh_overrides(mesh))
+  trainer = step_lib.make_trainer(cfg, make_mesh(cfg))
+  real = jax.tree.map(lambda sh, s: jax.device_put(np.zeros(s.shape, s.dtype), sh), trainer.state_shardings,
+                      trainer.abstract_state)
+  assert len(device_bytes(real)) == 8
+  params = leaves_by_path(real.params) | leaves_by_path(real.biases)
+  optimizer = {}  # (slot, stack) -> bytes per device
+  for key, leaf in leaves_by_path(real.opt_state).items():
+    keys = key.split(".")
+    slot = next((k for k in keys if k in ("mu", "nu")), "count")
+    group = optimizer.setdefault((slot, keys[keys.index(slot) + 1] if slot != "count" else None), {})
+    for device, nbytes in device_bytes(leaf).items():
+      group[device] = group.get(device, 0) + nbytes
+  state = {"parameters": max(device_bytes((real.params, real.biases)).values()),
+           "optimizer": max(device_bytes(real.opt_state).values())}
+  plan = explore.layout(explore.plan(explore.describe(cfg), sizes_of(mesh), explore.hardware("h100-80g")))
+  for source in (golden, json.loads(json.dumps(plan))):
+    assert {r["name"]: (tuple(r["shape"]), r["dtype"]) for r in source["parameters"]} == \
+        {k: (x.shape, x.dtype.name) for k, x in params.items()}
+    assert {r["name"]: r["bytes_per_device"] for r in source["parameters"]} == \
+        {k: max(device_bytes(x).values()) for k, x in params.items()}
+    assert {(r["slot"], r["stack"]): r["bytes_per_device"] for r in source["optimizer"]} == \
+        {k: max(v.values()) for k, v in optimizer.items()}
+    assert source["state_bytes_per_device"] == state
 
 
 def test_placement_notation():

@@ -159,7 +159,7 @@ def test_chunked_loss_equals_full_logits(monkeypatch, dtype):
 @pytest.mark.parametrize("name", ["tiny-v3", "tiny-dense"])  # MLA, grouped-query attention
 def test_train_step_memory_grows_linearly_with_length(name):
   """The compiled CPU step's temporaries at length 8192 are at most 2.5× those at 4096 (dense attention: 4×)."""
-  from jaxseek.sharding import explore_compile
+  from jaxseek.explore import compile as explore_compile
 
   def temp(T, impl="auto"):
     cfg = config_lib.load(f"configs/{name}.yaml", ["mesh.data=1", "train.batch_size=1", f"train.seq_len={T}",

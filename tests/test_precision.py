@@ -11,8 +11,9 @@ from conftest import load_config
 from jaxseek import step as step_lib
 from jaxseek.config import MESH_AXES
 from jaxseek.errors import UserError
+from jaxseek.explore import core as explore
 from jaxseek.input import global_batches
-from jaxseek.sharding import compression, explore
+from jaxseek.sharding import compression
 from jaxseek.sharding.mesh import make_mesh
 
 
@@ -203,7 +204,7 @@ def test_fp8_training_tracks_bfloat16():
 
 def test_remat_policies_order_compiled_memory_as_the_explorer_predicts():
   """XLA's temporaries of the real step shrink none > minimal > full, and the explorer's estimates follow."""
-  from jaxseek.sharding import explore_compile
+  from jaxseek.explore import compile as explore_compile
 
   temps = {}
   for policy in ("none", "minimal", "full"):
@@ -250,7 +251,7 @@ def test_compressed_gradient_sum_tracks_the_exact_one(name, mesh, method):
 def data_axis_collectives(*overrides):
   """(dtype, collective, bytes of the result) of every array that a data-axis-only collective of the compiled
   step produces (tiny-dense on data 2 × tensor 4: the parameters are whole on `data`)."""
-  from jaxseek.sharding import explore_compile
+  from jaxseek.explore import compile as explore_compile
 
   cfg = load_config("tiny-dense", "mesh.data=2", "mesh.tensor=2", *overrides)
   mesh = make_mesh(cfg, jax.devices()[:4])

@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest
 
 from jaxseek import config as config_lib
-from jaxseek.sharding import explore_gpu
+from jaxseek.explore import gpu as explore_gpu
 
 GIB = 2**30
 # bench_gpu.sh lets XLA use 0.92 of the H200's 141 GB; the step at batch 8 before fused kernels needed 75.7 GiB

@@ -37,7 +37,7 @@ def topology_devices(target: str, hosts: int = 1, per_host: int = 1) -> list:
     raise UserError("--target needs the CUDA build of JAX (no GPU needed): pip install -e '.[gpu]'") from None
   from jax.experimental import topologies
 
-  spec = resources.files("jaxseek.sharding.targets").joinpath(TARGETS[target]).read_text()
+  spec = resources.files("jaxseek.explore.targets").joinpath(TARGETS[target]).read_text()
   topology = topologies.get_topology_desc(platform="cuda", topology=f"{hosts}x1x{per_host}", target_config=spec)
   return list(topology.devices)
 
@@ -66,7 +66,7 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
   """Compiles the train step for prod(sizes) GPUs of `target` (`per_host` to a host); returns XLA's figures per
   device, the kernels (custom calls) the program runs and its largest array shapes."""
   from jaxseek import step as step_lib
-  from jaxseek.sharding import explore_compile
+  from jaxseek.explore import compile as explore_compile
   from jaxseek.sharding import mesh as mesh_lib
 
   n = int(np.prod(list(sizes.values())))

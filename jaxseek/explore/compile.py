@@ -33,7 +33,7 @@ TEMP_KINDS = ("gradients", "activations", "moe_dispatch", "gathered_weights")
 def compare(cfg: Config, model, sizes: dict[str, int], hw) -> dict[str, Any]:
   """XLA's figures for the compiled step beside the analytic ones for what it compiles (the CPU expert path):
   arguments = state + batch, temporaries = gradients + activations + MoE buffers + gathered weights."""
-  from jaxseek.sharding import explore
+  from jaxseek.explore import core as explore
 
   built = explore.plan(model, sizes, hw, platform="cpu")
   got = compile_train_step(cfg, sizes)

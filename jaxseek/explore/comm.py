@@ -30,9 +30,9 @@ import math
 from typing import Any
 
 from jaxseek.config import MESH_AXES
+from jaxseek.explore import layout as ex
+from jaxseek.explore import memory as em
 from jaxseek.sharding import compression
-from jaxseek.sharding import explore_layout as ex
-from jaxseek.sharding import explore_memory as em
 
 BATCH_AXES = ("data", "fsdp", "expert", "context")
 

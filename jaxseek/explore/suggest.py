@@ -16,12 +16,12 @@ from typing import Any, Iterator
 
 from jaxseek.config import MESH_AXES, Config, check_mesh_fit
 from jaxseek.errors import UserError
-from jaxseek.sharding import explore_comm as comm_lib
-from jaxseek.sharding import explore_layout as ex
-from jaxseek.sharding import explore_memory as memory_lib
-from jaxseek.sharding.explore_comm import Hardware
-from jaxseek.sharding.explore_layout import Model
-from jaxseek.sharding.explore_report import human
+from jaxseek.explore import comm as comm_lib
+from jaxseek.explore import layout as ex
+from jaxseek.explore import memory as memory_lib
+from jaxseek.explore.comm import Hardware
+from jaxseek.explore.layout import Model
+from jaxseek.explore.report import human
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ def explain_oom(cfg: Config, error: BaseException, config_path: str | None, over
     return None
   import jax
 
-  from jaxseek.sharding import explore
+  from jaxseek.explore import core as explore
 
   hw = hw or explore.hardware(None)
   devices = devices or jax.device_count()

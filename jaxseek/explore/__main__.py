@@ -18,10 +18,10 @@ from typing import Any
 
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError, cli
-from jaxseek.sharding import explore
-from jaxseek.sharding import explore_report as report
-from jaxseek.sharding import explore_suggest
-from jaxseek.sharding.explore_gpu import TARGETS
+from jaxseek.explore import core as explore
+from jaxseek.explore import report
+from jaxseek.explore import suggest as explore_suggest
+from jaxseek.explore.gpu import TARGETS
 
 COMPILE_MAX_DEVICES = 64  # simulated CPU devices: compile time and host memory grow with their number
 
@@ -104,15 +104,14 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
   config_lib.check_mesh_fit(cfg, sizes)
   result = explore.plan(model, sizes, hw)
   if args.compile and args.target:
-    from jaxseek.sharding import explore_gpu
-
-    from jaxseek.sharding import explore_compile
+    from jaxseek.explore import compile as explore_compile
+    from jaxseek.explore import gpu as explore_gpu
 
     compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node)
     compiled.pop("hlo")
     result["compiled"] = {**compiled, **explore_compile.predicted(result, compiled["batch_bytes"])}
   elif args.compile:
-    from jaxseek.sharding import explore_compile
+    from jaxseek.explore import compile as explore_compile
 
     result["compiled"] = explore_compile.compare(cfg, model, sizes, hw)
   if suggestions is not None:

@@ -4,8 +4,8 @@
 axis sizes (no devices needed) with the layout of every parameter, the optimiser state and one layer's
 activations, the memory per device by kind, the collectives per mesh axis with their bytes and time, and the
 compute time. The result is the JSON document of `python -m jaxseek.explore --json` (docs/explore.md).
-Modules: explore_layout (placement), explore_memory, explore_comm, explore_compile (--compile),
-explore_suggest (--suggest, out-of-memory advice), explore_report (console tables, --plot).
+Modules of jaxseek.explore: layout (placement), memory, comm, compile (--compile), gpu (--compile --target),
+suggest (--suggest, out-of-memory advice), report (console tables, --plot).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Any
 from jaxseek.config import Config
 from jaxseek.errors import UserError
 from jaxseek.metrics import PEAK_TFLOPS
-from jaxseek.sharding import explore_comm as comm_lib
-from jaxseek.sharding import explore_layout as layout_lib
-from jaxseek.sharding import explore_memory as memory_lib
+from jaxseek.explore import comm as comm_lib
+from jaxseek.explore import layout as layout_lib
+from jaxseek.explore import memory as memory_lib
+from jaxseek.explore.comm import Hardware
+from jaxseek.explore.layout import Model, describe
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding import rules as rules_lib
-from jaxseek.sharding.explore_comm import Hardware
-from jaxseek.sharding.explore_layout import Model, describe
 from jaxseek.sharding.mesh import resolve_sizes
 
 __all__ = ["GPUS", "Hardware", "Model", "describe", "hardware", "layout", "mesh_sizes", "plan"]

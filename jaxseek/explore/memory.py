@@ -25,7 +25,7 @@ from typing import Any
 
 from jaxseek.config import MESH_AXES, Config
 from jaxseek.model import kernels, loss as loss_lib, moe as moe_lib
-from jaxseek.sharding import explore_layout as ex
+from jaxseek.explore import layout as ex
 from jaxseek.sharding.rules import ACTIVATION_RULES, activation_rules, spec
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

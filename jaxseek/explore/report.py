@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jaxseek.errors import UserError
-from jaxseek.sharding.explore_memory import KINDS
+from jaxseek.explore.memory import KINDS
 
 
 def human(nbytes: float) -> str:
