@@ -199,7 +199,7 @@ def test_fp8_training_tracks_bfloat16():
   assert not np.array_equal(a, b)  # the FP8 rounding is really applied
   assert b[-1] < 0.9 * b[0]  # it trains
   print("fp8 vs bf16 loss, last 10 steps, max relative difference:", np.abs(b[-10:] / a[-10:] - 1).max())
-  np.testing.assert_allclose(b[-10:], a[-10:], rtol=0.02)
+  np.testing.assert_allclose(b[-10:], a[-10:], rtol=2e-4)  # measured 1.4e-4 (docs/precision.md)
 
 
 def test_remat_policies_order_compiled_memory_as_the_explorer_predicts():

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import CONFIGS, load_config
@@ -34,14 +35,24 @@ def test_bias_update_is_sign_of_load_deficit():
   np.testing.assert_allclose(new, 0.01 * np.sign(load.mean(-1, keepdims=True) - load))
 
 
-def test_schedules():
-  base = dict(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
-  cos = optim.schedule(config_lib.OptimConfig(schedule="cosine", **base), 14)
-  assert [float(cos(s)) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-  assert abs(float(cos(14)) - 0.1) < 1e-6 and float(cos(9)) < 1.0
-  wsd = optim.schedule(config_lib.OptimConfig(schedule="wsd", decay_steps=4, **base), 14)
-  assert float(wsd(4)) == 1.0 and float(wsd(9)) == 1.0
-  assert abs(float(wsd(12)) - 0.55) < 1e-6 and abs(float(wsd(14)) - 0.1) < 1e-6
+# lr 2, 4 warm-up steps, min_lr_ratio 0.2, worked by hand from optim.schedule's docstring: warm-up step s gives
+# 2·(s+1)/4; cosine step s ≥ 4 gives 2·(0.2 + 0.8·(1 + cos(π·(s−4)/span))/2), with cos(π/3) = 0.5 and
+# cos(2π/3) = −0.5 at a third and two thirds of the span; wsd is flat at 2 until its decay, then falls by
+# (2 − 0.4)/4 = 0.4 a step.
+WARMUP = {0: 0.5, 1: 1.0, 2: 1.5, 3: 2.0}
+
+
+@pytest.mark.parametrize("schedule, decay_steps, total, expected", [
+    ("cosine", 0, 16, {4: 2.0, 8: 1.6, 10: 1.2, 12: 0.8, 16: 0.4, 30: 0.4}),  # span 12 = 16 − 4
+    ("cosine", 6, 16, {4: 2.0, 6: 1.6, 7: 1.2, 8: 0.8, 10: 0.4, 16: 0.4}),  # span decay_steps = 6
+    ("wsd", 4, 14, {4: 2.0, 9: 2.0, 10: 2.0, 11: 1.6, 12: 1.2, 13: 0.8, 14: 0.4}),  # stable 14 − 4 − 4 = 6
+    ("constant", 0, 14, {4: 2.0, 14: 2.0, 100: 2.0}),
+])
+def test_schedule_matches_hand_values(schedule, decay_steps, total, expected):
+  cfg = config_lib.OptimConfig(lr=2.0, schedule=schedule, warmup_steps=4, decay_steps=decay_steps, min_lr_ratio=0.2)
+  lr = optim.schedule(cfg, total)
+  steps = {**WARMUP, **expected}
+  np.testing.assert_allclose([float(lr(s)) for s in steps], list(steps.values()), rtol=1e-6)
 
 
 def test_weight_decay_mask_skips_norms_and_embeddings():
