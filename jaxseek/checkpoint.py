@@ -35,7 +35,7 @@ from flax import nnx
 
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError
-from jaxseek.sharding import pipeline
+from jaxseek.sharding import pipeline, rules
 
 ITEMS = ("state", "data", "config")
 STATE_PARTS = ("params", "biases", "opt_state", "train")
@@ -53,18 +53,15 @@ def _register_array_handler() -> None:
                                                 array_metadata_store=array_metadata_store.Store()), override=True)
 
 
-def _is_variable(x) -> bool:
-  return isinstance(x, nnx.Variable)
-
-
 def to_pure(tree: Any) -> Any:
   """Replaces every nnx Variable by its value (Orbax stores plain arrays)."""
-  return jax.tree.map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
+  return jax.tree.map(lambda v: v.get_value() if rules.is_variable(v) else v, tree, is_leaf=rules.is_variable)
 
 
 def from_pure(template: Any, pure: Any) -> Any:
   """Puts the values of `pure` back into the Variables of `template` (same structure)."""
-  return jax.tree.map(lambda t, v: t.replace(v) if _is_variable(t) else v, template, pure, is_leaf=_is_variable)
+  return jax.tree.map(lambda t, v: t.replace(v) if rules.is_variable(t) else v, template, pure,
+                      is_leaf=rules.is_variable)
 
 
 def abstract_with_shardings(abstract: Any, shardings: Any) -> Any:

@@ -269,7 +269,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if not path.is_file():
       raise UserError(f"config file {path} not found; pass an existing YAML file to --config (see configs/)")
     try:
-      raw = yaml.safe_load(path.read_text()) or {}
+      raw = yaml.safe_load(read_text(path, f"config file {path}", "pass a YAML file to --config")) or {}
     except yaml.YAMLError as e:
       line = getattr(getattr(e, "problem_mark", None), "line", None)
       where = f" at line {line + 1}" if line is not None else ""
@@ -277,14 +277,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if not isinstance(raw, dict):
       raise UserError(f"config file {path} must hold a mapping of sections (model:, train:, ...)")
   for item in overrides:
-    key, sep, value = item.partition("=")
-    if not sep or "." not in key:
-      raise UserError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
-    section, _, field = key.partition(".")
-    try:
-      parsed = yaml.safe_load(value) if value else ""
-    except yaml.YAMLError:
-      parsed = value
+    section, field, parsed = parse_override(item)
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
       raise UserError(f"config section {section!r} must be a mapping")
@@ -292,6 +285,28 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
   cfg = from_dict(raw)
   validate(cfg)
   return cfg
+
+
+def read_text(path: Path, what: str, fix: str) -> str:
+  """The file's UTF-8 text; UserError "<what> is not text (byte N is not UTF-8); <fix>" when it is not."""
+  data = Path(path).read_bytes()
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise UserError(f"{what} is not text (byte {e.start} is not UTF-8); {fix}") from None
+
+
+def parse_override(item: str, example: str = "train.steps=100") -> tuple[str, str, Any]:
+  """`section.key=value` → (section, key, value read as YAML; text that is not YAML stays a string)."""
+  key, sep, value = item.partition("=")
+  section, _, field = key.strip().partition(".")
+  if not sep or not section or not field or "." in field:
+    raise UserError(f"override {item!r} must look like section.key=value, e.g. {example}")
+  try:
+    parsed = yaml.safe_load(value) if value else ""
+  except yaml.YAMLError:
+    parsed = value
+  return section, field, parsed
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -388,13 +403,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 # ------------------------------------------------------------------------------------------- validation
 
 
-def validate(cfg: Config) -> None:
-  """Checks values that do not depend on the devices (the mesh builder checks the device count)."""
+def validate(cfg: Config, model_only: bool = False) -> None:
+  """Checks values that do not depend on the devices (the mesh builder checks the device count). `model_only`:
+  skips what ties the model to this run's sequence length (a config.json describes a model, not a run)."""
   m, t = cfg.model, cfg.train
   _positive(cfg, "model.vocab_size", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
             "train.steps", "train.batch_size", "train.seq_len", "train.microbatches", "train.pipeline_repeats",
             "train.loss_scale_init", "train.loss_scale_window", "train.loss_scale_min", "train.loss_scale_hysteresis",
             "metrics.every")
+  if cfg.mesh.num_cpu_devices is not None and cfg.mesh.num_cpu_devices < 1:
+    raise UserError(f"config key mesh.num_cpu_devices: {cfg.mesh.num_cpu_devices} must be ≥ 1, or null to use the "
+                    f"real devices (not simulated)")
   sizes = cfg.mesh.sizes()
   if list(sizes.values()).count(-1) > 1:
     raise UserError("at most one mesh axis may be -1 (auto-filled); set the others to explicit sizes")
@@ -423,6 +442,21 @@ def validate(cfg: Config) -> None:
       raise UserError(f"config key model.topk_group: {m.topk_group} exceeds model.n_group={m.n_group}")
     if m.topk_method == "noaux_tc" and m.scoring_func != "sigmoid":
       raise UserError("config key model.topk_method: noaux_tc needs model.scoring_func=sigmoid")
+  if m.attention_bias:
+    raise UserError("config key model.attention_bias: true is not supported (DeepSeek models have no attention "
+                    "biases); set it to false")
+  if m.max_position_embeddings < t.seq_len and not model_only:
+    raise UserError(f"config key model.max_position_embeddings: {m.max_position_embeddings} is below "
+                    f"train.seq_len={t.seq_len}; raise it (with model.rope_scaling to extend a trained context)")
+  _check_rope_scaling(m.rope_scaling)
+  if m.is_moe and m.topk_method != "greedy" and m.n_group > 1:
+    per_group = m.n_routed_experts // m.n_group
+    if m.topk_group * per_group < m.num_experts_per_tok:
+      raise UserError(f"config key model.topk_group: {m.topk_group} groups of {per_group} experts cannot hold "
+                      f"model.num_experts_per_tok={m.num_experts_per_tok}; raise topk_group or lower n_group")
+    if m.topk_method == "noaux_tc" and per_group < 2:
+      raise UserError(f"config key model.n_group: {m.n_group} groups of {per_group} expert leave noaux_tc no "
+                      f"top-2 sum to rank groups by; use at most {m.n_routed_experts // 2} groups")
   if m.num_nextn_predict_layers < 0:
     raise UserError(f"config key model.num_nextn_predict_layers: {m.num_nextn_predict_layers} must be ≥ 0")
   if m.num_nextn_predict_layers >= t.seq_len:
@@ -445,6 +479,34 @@ def validate(cfg: Config) -> None:
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
   check_mesh_fit(cfg, cfg.mesh.sizes())
+
+
+# YaRN's keys (DeepSeek's and transformers' names); factor and original_max_position_embeddings are needed.
+YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"}
+
+
+def _check_rope_scaling(scaling: dict | None) -> None:
+  if not scaling:
+    return
+  kind = scaling.get("rope_type", scaling.get("type"))
+  if kind in (None, "default") and set(scaling) <= {"type", "rope_type"}:
+    return
+  if kind != "yarn":
+    raise UserError(f"config key model.rope_scaling: type {kind!r} is not supported; use yarn, or null for none")
+  unknown = sorted(set(scaling) - YARN_KEYS - {"type", "rope_type"})
+  if unknown:
+    raise UserError(f"config key model.rope_scaling: unknown yarn key {unknown[0]!r}; known: {sorted(YARN_KEYS)}")
+  for key in ("factor", "original_max_position_embeddings"):
+    if key not in scaling:
+      raise UserError(f"config key model.rope_scaling: yarn needs {key}; add it")
+  for key in sorted(YARN_KEYS & set(scaling)):
+    value = scaling[key]
+    if key == "truncate":
+      if not isinstance(value, bool):
+        raise UserError(f"config key model.rope_scaling: truncate must be true or false, got {value!r}")
+    elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+      raise UserError(f"config key model.rope_scaling: {key} must be a positive number, got {value!r}")
 
 
 def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:

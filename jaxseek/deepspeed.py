@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from flax import traverse_util
 
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError
@@ -149,7 +150,7 @@ def read(path: str | Path) -> dict[str, Any]:
   path = Path(path)
   if not path.is_file():
     raise UserError(f"DeepSpeed config {path} not found; pass the JSON file given to --deepspeed_config")
-  text = path.read_text()
+  text = config_lib.read_text(path, f"DeepSpeed config {path}", "pass the JSON file given to --deepspeed_config")
   try:
     raw = json.loads(text)
   except json.JSONDecodeError:
@@ -163,15 +164,10 @@ def read(path: str | Path) -> dict[str, Any]:
   return raw
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    dotted = f"{prefix}{key}"
-    if isinstance(value, dict) and value:
-      out.update(flatten(value, dotted + "."))
-    else:
-      out[dotted] = value
-  return out
+def flatten(tree: dict[str, Any]) -> dict[str, Any]:
+  """{"a.b": value} for every leaf of a nested mapping; an empty mapping is a leaf ({})."""
+  flat = traverse_util.flatten_dict(tree, keep_empty_nodes=True, sep=".")
+  return {key: {} if value is traverse_util.empty_node else value for key, value in flat.items()}
 
 
 def translate(ds: dict[str, Any], cluster: Cluster) -> Translation:
@@ -525,10 +521,13 @@ def base_config(model: str | None) -> tuple[dict[str, Any], str]:
     cfg_json = found / "config.json" if found.is_dir() else found
     if not cfg_json.is_file():
       raise UserError(f"--model {model}: {cfg_json} not found; give a Hugging Face model folder")
-    raw = json.loads(cfg_json.read_text())
+    raw = hf.read_json(cfg_json)
     model_cfg = hf.model_config(raw, raw.get("num_nextn_predict_layers", 0) or 0)
     return {"model": dataclasses.asdict(model_cfg)}, str(cfg_json)
-  raw = yaml.safe_load(found.read_text()) or {}
+  try:
+    raw = yaml.safe_load(config_lib.read_text(found, f"--model {model}: {found}", "give a jaxseek YAML config")) or {}
+  except yaml.YAMLError:
+    raise UserError(f"--model {model}: {found} is not valid YAML; fix its syntax") from None
   if not isinstance(raw, dict):
     raise UserError(f"--model {model}: {found} is not a jaxseek config (a mapping of sections)")
   return raw, f"configs/{found.name}" if found.parent == CONFIGS else str(found)
@@ -548,12 +547,11 @@ def merge(base: dict[str, Any], t: Translation) -> dict[str, Any]:
 def override(merged: dict[str, Any], t: Translation, overrides: list[str]) -> None:
   """`section.key=value` items (values read as YAML) over the merged sections, commented as such."""
   for item in overrides:
-    key, sep, value = item.partition("=")
-    if not sep or "." not in key:
-      raise UserError(f"override {item!r} must look like section.key=value, e.g. model.num_hidden_layers=8")
-    section, _, field = key.partition(".")
-    merged.setdefault(section, {})[field] = yaml.safe_load(value) if value else ""
-    t.sources[key] = "command line"
+    section, field, value = config_lib.parse_override(item, "model.num_hidden_layers=8")
+    if not isinstance(merged.setdefault(section, {}), dict):
+      raise UserError(f"config section {section!r} must be a mapping")
+    merged[section][field] = value
+    t.sources[f"{section}.{field}"] = "command line"
 
 
 def check(merged: dict[str, Any], cluster: Cluster) -> config_lib.Config:

@@ -132,10 +132,36 @@ class Jsonl:
     os.close(self.fd)
 
 
+def jsonl_records(path: Path) -> tuple[list[tuple[int, dict]], int | None]:
+  """((line number, record) per non-blank line of a metrics.jsonl, the number of a last line cut off mid-write
+  (no newline, not JSON yet: the trainer may be writing it) or None). UserError for a file that cannot be read
+  or a line that is not a JSON object."""
+  path = Path(path)
+  try:
+    text = path.read_text()
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+  lines = text.split("\n")
+  records, partial = [], None
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      if number == len(lines):
+        partial = number
+        continue
+      raise UserError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+      raise UserError(f"{path}:{number}: not a JSON object")
+    records.append((number, record))
+  return records, partial
+
+
 def read_jsonl(path: Path) -> list[dict]:
-  """The complete records of a metrics.jsonl; a last line still being written (no newline yet) is left out."""
-  text = Path(path).read_text()
-  return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+  """The complete records of a metrics.jsonl (a last line still being written is left out)."""
+  return [record for _, record in jsonl_records(path)[0]]
 
 
 class Console:

@@ -66,3 +66,10 @@ def make(cfg: OptimConfig, total_steps: int, abstract_params: nnx.State) -> opta
   adamw = optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                       mask=mask)
   return optax.chain(*clip, stored_as(adamw, jnp.dtype(cfg.moments_dtype)))
+
+
+def applied_lr(cfg: OptimConfig, total_steps: int, opt_state) -> jax.Array:
+  """The rate the optimiser's update from `opt_state` uses: the schedule at the optimiser's own step count, which
+  a skipped step does not advance (TrainState.step does)."""
+  (_, count), *_ = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+  return schedule(cfg, total_steps)(count)

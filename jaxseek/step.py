@@ -20,6 +20,7 @@ from jaxseek import input as input_lib
 from jaxseek import model as model_lib
 from jaxseek import optim
 from jaxseek.errors import UserError
+from jaxseek.model import kernels
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left, target_exists
@@ -53,10 +54,6 @@ class Trainer:
   init: Callable[[], TrainState] = flax.struct.field(pytree_node=False)  # jitted, returns the sharded state
 
 
-def _is_variable(x) -> bool:
-  return isinstance(x, nnx.Variable)
-
-
 def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3, optimizer_memory: str = "device") -> Any:
   """Each Variable (parameters and the optimiser moments that mirror them) is sharded by its logical axes under
   the rules of its part of the state (`rules.state_rules`: ZeRO-3 or ZeRO-1); everything else (step, counters)
@@ -64,19 +61,19 @@ def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3, optimizer_me
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def part(tree, kind):
-    rules = state_rules(kind, zero)
+    kind_rules = state_rules(kind, zero)
     return jax.tree.map(
-        lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"], x.shape, mesh, rules))
-        if _is_variable(x) else replicated, tree, is_leaf=_is_variable)
+        lambda x: NamedSharding(mesh, param_spec(x.get_metadata()["logical_axes"], x.shape, mesh, kind_rules))
+        if rules.is_variable(x) else replicated, tree, is_leaf=rules.is_variable)
 
-  out = jax.tree.map(lambda _: replicated, abstract_state, is_leaf=_is_variable)
+  out = jax.tree.map(lambda _: replicated, abstract_state, is_leaf=rules.is_variable)
   out = out.replace(**{kind: part(getattr(abstract_state, kind), kind) for kind in ("params", "biases", "opt_state")})
   if optimizer_memory == "host":  # brought to the device for the update, written back after (train_step)
     out = out.replace(opt_state=jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), out.opt_state))
   residual = jax.tree.map(  # one residual per data shard, each placed as its parameter
       lambda x: NamedSharding(mesh, PartitionSpec(compression.AXIS, *param_spec(
           x.get_metadata()["logical_axes"], x.shape[1:], mesh, state_rules("params", zero)))),
-      abstract_state.grad_residual, is_leaf=_is_variable)
+      abstract_state.grad_residual, is_leaf=rules.is_variable)
   return out.replace(grad_residual=residual)
 
 
@@ -89,12 +86,26 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> Non
   """Settings that depend on the mesh or the backend (`backend=False`: the mesh only, as the explorer plans for
   other hardware): refused with one line before anything is written."""
   pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
+  m = cfg.model
+  shards = mesh.shape["expert"]
+  if m.is_moe and m.moe_max_expert_shards is not None and m.moe_max_expert_shards < shards and \
+      m.num_experts_per_tok > m.moe_max_expert_shards * (m.n_routed_experts // shards):
+    raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} of the {shards} expert "
+                    f"shards ({m.n_routed_experts // shards} experts each) cannot hold model.num_experts_per_tok="
+                    f"{m.num_experts_per_tok} experts per token; raise it")
   if cfg.train.grad_compression != "none" and mesh.shape["pipeline"] > 1:
     raise UserError("config key train.grad_compression: not supported together with mesh.pipeline > 1 yet; "
                     "set train.grad_compression=none or mesh.pipeline=1")
   if not backend:
     return
   platform = mesh.devices.flat[0].platform
+  where = "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+  # kernels that cannot run here are refused now, not while tracing
+  kinds = {kernels.attention_kind(m.attention_impl, cfg.train.seq_len, where, cfg.train.compute_dtype)}
+  if m.is_moe:
+    kinds.add(kernels.matmul_kind(m.moe_matmul, where, cfg.train.compute_dtype))
+  if kinds & (set(kernels.GPU_ATTENTION) | set(kernels.GPU_MATMUL)):
+    kernels.tokamax_module()
   why = remat_lib.check_backend(cfg.train.remat, platform)
   if why:
     raise UserError(why)
@@ -151,12 +162,6 @@ def init_state(cfg: config_lib.Config, mesh: Mesh) -> tuple[Trainer, TrainState]
   return trainer, trainer.init()
 
 
-def _split_microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
-  """[B, ...] → [n, B/n, ...] taking rows j, j+n, j+2n, ... for microbatch j, so every microbatch keeps
-  rows on every batch shard (a contiguous split would put microbatch 0 on the first devices only)."""
-  return {k: jnp.swapaxes(v.reshape(v.shape[0] // n, n, *v.shape[1:]), 0, 1) for k, v in batch.items()}
-
-
 def mtp_mask(batch: dict[str, jax.Array], k: int) -> jax.Array:
   """Where depth k's target t_{i+k+1} exists: the main target at i+k counts and i+k is in i's document."""
   return target_exists(batch["loss_mask"], batch.get("segment_ids"), k)
@@ -202,18 +207,63 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   """
   # With a pipeline the microbatches flow through the stages inside one forward pass instead.
   n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
-  depth = cfg.model.num_nextn_predict_layers
-  batch = with_mtp_arrays(batch, depth)
+  batch = step_batch(cfg, batch)
+  grad_fn = jax.value_and_grad(objective_fn(trainer, cfg, state, batch, n_micro), has_aux=True)
+  gradients = lambda params, batch: accumulated_gradients(grad_fn, params, batch, n_micro)
+  residual = state.grad_residual
+  if not jax.tree.leaves(residual):
+    grads, ce_sum, mtp_sums, balance, loads = gradients(state.params, batch)
+  else:
+    grads, ce_sum, mtp_sums, balance, loads, residual = _compressed_sum(gradients, trainer, cfg, state, batch)
+  grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+  opt_before = state.opt_state
+  if cfg.train.optimizer_memory == "host":
+    opt_before = jax.device_put(opt_before, jax.tree.map(lambda s: s.with_memory_kind("device"),
+                                                         trainer.state_shardings.opt_state))
+  updates, opt_state = trainer.tx.update(grads, opt_before, state.params)
+  new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
+                      biases=update_biases(state.biases, loads, cfg.optim.bias_update_rate), grad_residual=residual)
+  loss, grad_norm = ce_sum / token_count(batch["loss_mask"]), optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  accept = finite & ~is_spike(loss, state.loss_window, cfg.train.spike_sigma)
+  dynamic = cfg.train.compute_dtype == "float16"
+  overflow = dynamic & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)  # the scale's fault, not the model's
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, opt_before),
+             "nonfinite": (~finite & ~overflow).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32),
+             **_mtp_and_moe_metrics(cfg, batch, mtp_sums, loads, balance, new.biases)}
+  if dynamic:
+    new = new.replace(**dict(zip(("loss_scale", "good_steps", "overflow_budget"),
+                                 _next_loss_scale(state, overflow, cfg.train))))
+    metrics.update(loss_scale=state.loss_scale, overflow=overflow.astype(jnp.int32))
+  return _accepted_or_kept(state, new, opt_before, accept, loss), metrics
+
+
+def step_batch(cfg: config_lib.Config, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The batch as the step reads it: with the multi-token-prediction arrays, in zigzag order under
+  model.context_attention=zigzag."""
+  batch = with_mtp_arrays(batch, cfg.model.num_nextn_predict_layers)
   context = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in rules.mesh_axes("length"))
   if cfg.model.context_attention == "zigzag" and context > 1:
     batch = to_zigzag(batch, context)
-  n_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-  n_mtp = [jnp.maximum(batch[f"mtp_mask_{k}"].sum(), 1.0) for k in range(1, depth + 1)]
+  return batch
+
+
+def token_count(mask: jax.Array) -> jax.Array:
+  return jnp.maximum(mask.sum(), 1.0)
+
+
+def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array],
+                 n_micro: int) -> Callable:
+  """(params, microbatch) → (objective · loss scale, (ce_sum, mtp_sums, balance, loads)); the token counts that
+  normalise the losses are the whole batch's."""
+  depth = cfg.model.num_nextn_predict_layers
+  n_tokens = token_count(batch["loss_mask"])
+  n_mtp = [token_count(batch[f"mtp_mask_{k}"]) for k in range(1, depth + 1)]
   alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
   # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
   data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
 
-  def loss_fn(params, mb):
+  def objective(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
     mtp_inputs = [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
     mtp_valid = [mb[f"mtp_mask_{k}"] for k in range(1, depth + 1)]
@@ -226,67 +276,56 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                           for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
     balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
     loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
-    objective = ce_sum / n_tokens + alpha * balance / (n_micro * data_shards)  # balance: a mean over rows
+    value = ce_sum / n_tokens + alpha * balance / (n_micro * data_shards)  # balance: a mean over rows
     if depth:
-      objective += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
-    return objective * state.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
+      value += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
+    return value * state.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  return objective
 
-  def gradients(params, batch):
-    """(grads, ce_sum, mtp_sums, balance, loads) of `batch`, accumulated over the microbatches."""
-    if n_micro == 1:
-      (_, aux), grads = grad_fn(params, batch)
-      return (grads, *aux)
 
-    def accumulate(carry, mb):
-      mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
-      (_, aux), g = grad_fn(params, mb)
-      return jax.tree.map(jnp.add, carry, (g, *aux)), None
+def accumulated_gradients(grad_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
+  """(grads, ce_sum, mtp_sums, balance, loads) of `batch`, summed over `n_micro` microbatches by a scan (the
+  balance term averaged)."""
+  if n_micro == 1:
+    (_, aux), grads = grad_fn(params, batch)
+    return (grads, *aux)
 
-    first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
-    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, first)
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (params, *aux_shapes))
-    (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, _split_microbatches(batch, n_micro))
-    return grads, ce_sum, mtp_sums, balance / n_micro, loads
+  def accumulate(carry, mb):
+    mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
+    (_, aux), g = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, carry, (g, *aux)), None
 
-  residual = state.grad_residual
-  if not jax.tree.leaves(residual):
-    grads, ce_sum, mtp_sums, balance, loads = gradients(state.params, batch)
-  else:
-    grads, ce_sum, mtp_sums, balance, loads, residual = _compressed_sum(gradients, trainer, cfg, state, batch)
-  grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
-  opt_before = state.opt_state
-  if cfg.train.optimizer_memory == "host":
-    opt_before = jax.device_put(opt_before, jax.tree.map(lambda s: s.with_memory_kind("device"),
-                                                         trainer.state_shardings.opt_state))
-  updates, opt_state = trainer.tx.update(grads, opt_before, state.params)
-  params = optax.apply_updates(state.params, updates)
-  biases = update_biases(state.biases, loads, cfg.optim.bias_update_rate)
-  loss, grad_norm = ce_sum / n_tokens, optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  accept = finite & ~is_spike(loss, state.loss_window, cfg.train.spike_sigma)
-  dynamic = cfg.train.compute_dtype == "float16"
-  overflow = dynamic & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)  # the scale's fault, not the model's
-  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim.schedule(cfg.optim, cfg.train.steps)(state.step),
-             "nonfinite": (~finite & ~overflow).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32)}
-  loss_scale, good_steps, budget = state.loss_scale, state.good_steps, state.overflow_budget
-  if dynamic:
-    loss_scale, good_steps, budget = _next_loss_scale(state, overflow, cfg.train)
-    metrics.update(loss_scale=state.loss_scale, overflow=overflow.astype(jnp.int32))
+  first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
+  (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, first)
+  init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (params, *aux_shapes))
+  microbatches = jax.tree.map(lambda v: pipeline_lib.split_microbatches(v, n_micro), batch)
+  (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, microbatches)
+  return grads, ce_sum, mtp_sums, balance / n_micro, loads
+
+
+def _mtp_and_moe_metrics(cfg: config_lib.Config, batch, mtp_sums, loads, balance, biases) -> dict[str, jax.Array]:
+  depth = cfg.model.num_nextn_predict_layers
+  metrics = {}
   if depth:
-    metrics["mtp_loss"] = sum(mtp_sums[k] / n_mtp[k] for k in range(depth)) / depth
+    metrics["mtp_loss"] = sum(mtp_sums[k - 1] / token_count(batch[f"mtp_mask_{k}"])
+                              for k in range(1, depth + 1)) / depth
   n_moe = cfg.model.num_moe_layers
   order = pipeline_lib.storage_order(n_moe, pipeline_lib.stages(), cfg.train.pipeline_repeats)
   metrics.update(_moe_metrics(loads, balance, biases, np.argsort(order)[:n_moe]))  # padding rows dropped
-  # A rejected step (non-finite, or a loss spike) leaves the state as it was; only the step counter moves on.
+  return metrics
+
+
+def _accepted_or_kept(state: TrainState, new: TrainState, opt_before, accept: jax.Array,
+                      loss: jax.Array) -> TrainState:
+  """`new` where the step is accepted; a rejected step (non-finite, or a loss spike) leaves parameters, biases,
+  optimiser state and gradient residual as they were (the loss scale still follows the overflow rule). The step
+  counter moves on either way."""
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, old)
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
-  new_state = TrainState(step=state.step + 1, params=keep(params, state.params), biases=keep(biases, state.biases),
-                         opt_state=keep(opt_state, opt_before), loss_window=window, loss_scale=loss_scale,
-                         good_steps=good_steps, overflow_budget=budget,
-                         grad_residual=keep(residual, state.grad_residual))
-  return new_state, metrics
+  return new.replace(step=state.step + 1, params=keep(new.params, state.params),
+                     biases=keep(new.biases, state.biases), opt_state=keep(new.opt_state, opt_before),
+                     loss_window=window, grad_residual=keep(new.grad_residual, state.grad_residual))
 
 
 def _compressed_sum(gradients: Callable, trainer: Trainer, cfg: config_lib.Config, state: TrainState,

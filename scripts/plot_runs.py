@@ -10,7 +10,6 @@ Needs matplotlib (pip install -e ".[plot]").
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from jaxseek import metrics  # noqa: E402
 from jaxseek.errors import UserError, cli  # noqa: E402
 
 FIGSIZE = (12.0, 8.0)  # inches; with DPI the PNG is 1200 x 800 pixels
@@ -33,24 +33,11 @@ def _number(value: Any) -> bool:
 
 def _records(path: Path) -> list[tuple[int, dict]]:
   """(line number, record) per non-blank line; a last line cut off mid-write (no newline) is skipped with a note."""
-  try:
-    text = path.read_text()
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}")
-  lines = text.split("\n")
+  records, partial = metrics.jsonl_records(path)
+  if partial is not None:
+    print(f"note: {path}:{partial} is incomplete (still being written?); skipped", file=sys.stderr)
   out = []
-  for number, line in enumerate(lines, start=1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      if number == len(lines):  # no newline after it: the trainer may be writing it right now
-        print(f"note: {path}:{number} is incomplete (still being written?); skipped", file=sys.stderr)
-        continue
-      raise UserError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})")
-    if not isinstance(record, dict):
-      raise UserError(f"{path}:{number}: not a JSON object")
+  for number, record in records:
     for key in REQUIRED:
       if key not in record:
         raise UserError(f"{path}:{number}: no {key!r} key")

@@ -45,6 +45,24 @@ BAD_INPUT = [
     (["model.n_group=3"], "config key model.n_group: 3 must divide model.n_routed_experts=8", ""),
     (["mesh.data=2", "mesh.tensor=4", "mesh.sequence_parallel=true", "train.seq_len=30"],
      "config key train.seq_len: 30 tokens are not divisible by mesh.context × mesh.tensor", "change the sequence"),
+    (["model.rope_scaling={type: linear, factor: 2}"], "model.rope_scaling: type 'linear' is not supported", "yarn"),
+    (["model.rope_scaling={type: yarn, factor: 4}"], "yarn needs original_max_position_embeddings", "add it"),
+    (["model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16, beta: 2}"],
+     "unknown yarn key 'beta'", "beta_fast"),
+    (["model.rope_scaling={type: yarn, factor: -4, original_max_position_embeddings: 16}"],
+     "factor must be a positive number", "-4"),
+    (["model.attention_bias=true"], "model.attention_bias: true is not supported", "set it to false"),
+    (["model.max_position_embeddings=16"], "model.max_position_embeddings: 16 is below train.seq_len=24", "raise"),
+    (["model.topk_group=1", "model.num_experts_per_tok=3"],
+     "model.topk_group: 1 groups of 2 experts cannot hold model.num_experts_per_tok=3", "raise topk_group"),
+    (["model.n_group=8", "model.topk_group=4"], "model.n_group: 8 groups of 1 expert leave noaux_tc no top-2",
+     "at most 4 groups"),
+    (["mesh.expert=4", "model.moe_max_expert_shards=1", "model.num_experts_per_tok=3"],
+     "model.moe_max_expert_shards: 1 of the 4 expert shards (2 experts each) cannot hold", "raise it"),
+    (["mesh.num_cpu_devices=0"], "mesh.num_cpu_devices: 0 must be ≥ 1", "null"),
+    (["model.moe_matmul=tokamax"], "model.moe_matmul: tokamax is a GPU kernel but the mesh's devices are cpu",
+     "blocked"),
+    (["model.attention_impl=mosaic"], "model.attention_impl: mosaic is a GPU kernel", "blocked"),
 ]
 
 
@@ -68,6 +86,12 @@ def test_missing_and_malformed_config_files(tmp_path, capsys):
   assert "is not valid YAML" in capsys.readouterr().err
   with pytest.raises(UserError, match="section.key=value"):
     config_lib.load(None, ["steps=3"])
+  binary = tmp_path / "binary.yaml"
+  binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
+  assert main(["--config", str(binary), f"train.run_dir={tmp_path}/run"]) == 2
+  err = capsys.readouterr().err
+  assert err == f"error: config file {binary} is not text (byte 0 is not UTF-8); pass a YAML file to --config\n"
+  assert not (tmp_path / "run").exists()
 
 
 def test_command_line_exit_status(run_env, tmp_path):

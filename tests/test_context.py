@@ -78,6 +78,7 @@ def test_ring_passes_chunks_and_holds_less(name):
   compiled step needs less temporary memory than the gather."""
   def compiled(mode):
     counts, temp = compiled_collectives(name, "mesh.context=4", "mesh.data=2", "train.seq_len=256",
+                                        "model.max_position_embeddings=256",
                                         f"model.context_attention={mode}")
     return {k: v.get("context", 0) for k, v in counts.items()}, temp
 
@@ -100,6 +101,7 @@ def test_zigzag_ring_computes_half_blocks():
   ring computes t × t for every chunk."""
   def score_shapes(mode):
     cfg = load_config("tiny-dense", "mesh.context=4", "mesh.data=2", "train.seq_len=256",
+                      "model.max_position_embeddings=256",
                       f"model.context_attention={mode}")
     mesh = make_mesh(cfg)
     trainer = step_lib.make_trainer(cfg, mesh)

@@ -170,6 +170,26 @@ def test_contradictory_values_exit_2_naming_them(capsys, tmp_path):
   assert "--gpus-per-node" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,words", [
+    (["model.num_hidden_layers=["], "config key model.num_hidden_layers: expected an integer, got '['"),
+    (["model.num_hidden_layers"], "override 'model.num_hidden_layers' must look like section.key=value"),
+    (["model.=3"], "override 'model.=3' must look like section.key=value"),
+    (["model.rope_scaling.factor=3"], "must look like section.key=value, e.g. model.num_hidden_layers=8"),
+    (["--model", "BINARY"], "is not text (byte 0 is not UTF-8); give a jaxseek YAML config"),
+    (["--model", "BROKEN"], "is not valid YAML; fix its syntax"),
+])
+def test_malformed_overrides_and_files_exit_2_in_one_line(args, words, capsys, tmp_path):
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+  (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00model")
+  (tmp_path / "broken.yaml").write_text("model: {hidden_size: 8\n")
+  args = [a.replace("BINARY", str(tmp_path / "binary.yaml")).replace("BROKEN", str(tmp_path / "broken.yaml"))
+          for a in args]
+  assert from_deepspeed.main([str(path), "--gpus-per-node", "8", "--platform", "cpu", *args]) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+
+
 def test_guide_example_translates_for_67b_on_4_by_8_gpus(capsys, tmp_path):
   path = tmp_path / "ds_config.py"
   path.write_text(GUIDE)

@@ -287,6 +287,32 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_prepare_refuses_inputs_without_documents_or_text_and_keeps_prepared_data(tmp_path):
+  """Empty inputs and bytes that are not UTF-8 (named by file and offset) end in one line; an --overwrite of
+  prepared data that fails halfway leaves that data as it was."""
+  _unique_docs(tmp_path, "d", 10)
+  before = {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()}
+  (tmp_path / "empty.txt").write_bytes(b"")
+  (tmp_path / "blank.jsonl").write_text("\n\n{\"text\": \"\"}\n")
+  (tmp_path / "good.txt").write_text("fine text")
+  (tmp_path / "latin1.txt").write_bytes("caf\u00e9 ok".encode("utf-8") + b" na\xefve")
+  (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "a\xff"}\n')
+  cases = [(["empty.txt"], r"holds no document \(the files are empty\)"),
+           (["empty.txt", "blank.jsonl"], "holds no document .* have no text"),
+           (["good.txt", "latin1.txt"], r"latin1.txt is not UTF-8 text: byte offset 11 \(0xef\)"),
+           (["bad.jsonl"], r"bad.jsonl is not UTF-8 text: byte offset 26 \(0xff\)")]
+  for names, words in cases:
+    with pytest.raises(UserError, match=words) as e:
+      prepare.prepare([str(tmp_path / n) for n in names], "byte", tmp_path / "d", overwrite=True, progress=False)
+    assert "\n" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()} == before  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging left
+  prepare.prepare([str(tmp_path / "good.txt")], "byte", tmp_path / "d", overwrite=True, progress=False)
+  assert shards.read_manifest(tmp_path / "d")["documents"] == 1
+  assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["manifest.json", "shard-00000.index",
+                                                                 "shard-00000.tokens"]
+
+
 def test_prepare_cli_exits_2_with_one_line(tmp_path, run_env):
   out = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(tmp_path / "no*"),
                         "--tokenizer", "byte", "--out", str(tmp_path / "o")], capture_output=True, text=True,

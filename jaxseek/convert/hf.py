@@ -105,10 +105,10 @@ class Folder:
     if not config_path.is_file():
       raise UserError(f"{self.path} has no config.json; pass a Hugging Face model folder (config.json + "
                       "*.safetensors) or a jaxseek checkpoint folder (config.yaml + checkpoints/)")
-    self.config = _read_json(config_path)
+    self.config = read_json(config_path)
     self.files: dict[str, SafetensorsFile] = {}
     if (self.path / INDEX).is_file():
-      weight_map = _read_json(self.path / INDEX).get("weight_map", {})
+      weight_map = read_json(self.path / INDEX).get("weight_map", {})
       for file in sorted(set(weight_map.values())):
         if not (self.path / file).is_file():
           raise UserError(f"{self.path / INDEX} lists {file}, which is missing from {self.path}; download it")
@@ -154,7 +154,7 @@ class Folder:
     return kind == "deepseek_v2" or (kind == "deepseek_v3" and self.config.get("rope_interleave", True) is not False)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
   try:
     data = json.loads(path.read_text())
   except (OSError, ValueError) as e:
@@ -171,8 +171,7 @@ _REQUIRED = {"hidden_act": "silu", "mlp_bias": False, "attention_bias": False, "
              "partial_rotary_factor": 1.0, "use_sliding_window": False, "sliding_window": None}
 # What transformers assumes when config.json leaves a key out (DeepSeek-V3 always routes this way).
 _DEFAULTS = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
-_YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-              "attention_factor", "truncate"}
+_YARN_KEYS = config_lib.YARN_KEYS
 _FIELDS = typing.get_type_hints(ModelConfig)
 
 
@@ -200,7 +199,7 @@ def model_config(raw: dict[str, Any], mtp_depth: int) -> ModelConfig:
   values["rope_theta"], values["rope_scaling"] = _rope(raw)
   values["num_nextn_predict_layers"] = mtp_depth
   cfg = config_lib.from_dict({"model": values})
-  config_lib.validate(cfg)
+  config_lib.validate(cfg, model_only=True)
   warn_v2_topk_norm(cfg.model)
   return cfg.model
 

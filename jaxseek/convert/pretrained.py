@@ -10,12 +10,14 @@ checkpoint layout that conversion writes and training resumes from:
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import config as config_lib
@@ -109,7 +111,9 @@ def save_checkpoint(model: Transformer, cfg: ModelConfig, out: str | Path) -> Pa
 
   out = _new_folder(out)
   out.mkdir(parents=True, exist_ok=True)
-  full = config_lib.Config(model=cfg)
+  train = config_lib.TrainConfig()  # a config that trains as it is: sequences no longer than the model's positions
+  full = config_lib.Config(model=cfg, train=dataclasses.replace(train, seq_len=min(train.seq_len,
+                                                                                    cfg.max_position_embeddings)))
   config_lib.dump(full, out / "config.yaml")
   parts = {name: nnx.to_pure_dict(nnx.state(model, kind)) for name, kind in ITEMS.items()}
   args = {"state": ocp.args.PyTreeSave({name: tree for name, tree in parts.items() if tree}),
@@ -165,7 +169,7 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
   arrays = pipeline.reorder(restored["state"], pipeline.stack_sizes(cfg.model),
                             pipeline.saved_layout(restored["config"] or {}), (1, 1))
   for name in abstract:
-    for p, value in _flatten(arrays[name]):
+    for p, value in traverse_util.flatten_dict(arrays[name]).items():
       variables[p].set_value(value)
   return nnx.merge(graphdef, state), cfg, step
 
@@ -179,14 +183,6 @@ def _nest(flat: dict) -> dict:
       node = node.setdefault(key, {})
     node[path[-1]] = leaf
   return out
-
-
-def _flatten(tree: dict, prefix: tuple = ()):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _flatten(value, prefix + (key,))
-    else:
-      yield prefix + (key,), value
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32",
@@ -243,6 +239,7 @@ def inspect(path: str | Path) -> list[str]:
       raise UserError(f"{path / 'checkpoints'} holds no finished checkpoint step")
     tree = manager.item_metadata(step)["state"]
     lines = [f"jaxseek checkpoint {path} (step {step})", f"variant: {describe(cfg.model)}"]
-    for p, leaf in _flatten(dict(tree.tree if hasattr(tree, "tree") else tree) if tree else {}):
+    tree = dict(tree.tree if hasattr(tree, "tree") else tree) if tree else {}
+    for p, leaf in traverse_util.flatten_dict(tree).items():
       lines.append(f"{p[0]}/{'.'.join(map(str, p[1:]))}  {list(leaf.shape)}  {np.dtype(leaf.dtype)}")
   return lines

@@ -17,6 +17,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -53,10 +54,10 @@ def read_chunks(files: list[Path], text_field: str) -> Iterator[tuple[list[str],
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
       if _is_jsonl(path):
-        records = ((len(raw), _document(raw, path, number, text_field)) for number, raw in enumerate(f, 1))
+        records = _jsonl_documents(f, path, text_field)
       else:
         data = f.read()
-        records = [(len(data), data.decode("utf-8", "replace"))]
+        records = [(len(data), _decode(data, path, 0))]
       for record_size, text in records:
         size += record_size
         if text:
@@ -68,7 +69,23 @@ def read_chunks(files: list[Path], text_field: str) -> Iterator[tuple[list[str],
     yield texts, size
 
 
-def _document(raw: bytes, path: Path, number: int, text_field: str) -> str:
+def _decode(data: bytes, path: Path, offset: int) -> str:
+  """UTF-8 text, or a UserError naming the file and the byte offset (in the uncompressed stream) that is not."""
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise UserError(f"{path} is not UTF-8 text: byte offset {offset + e.start} (0x{data[e.start]:02x}) cannot be "
+                    f"decoded; convert the file to UTF-8 or leave it out of --input") from None
+
+
+def _jsonl_documents(f, path: Path, text_field: str) -> Iterator[tuple[int, str]]:
+  offset = 0
+  for number, raw in enumerate(f, 1):
+    yield len(raw), _document(_decode(raw, path, offset), path, number, text_field)
+    offset += len(raw)
+
+
+def _document(raw: str, path: Path, number: int, text_field: str) -> str:
   if not raw.strip():
     return ""
   try:
@@ -107,16 +124,23 @@ def encoded_chunks(tokenizer: tokenize.Tokenizer, chunks: Iterator[tuple[list[st
       yield *future.result(), done_size
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool) -> None:
   if out.exists() and not out.is_dir():
     raise UserError(f"--out {out} is a file; choose a folder")
-  if (out / shards_lib.MANIFEST).exists():
-    if not overwrite:
-      raise UserError(f"{out} already holds prepared data; pass --overwrite or choose another --out")
-    (out / shards_lib.MANIFEST).unlink()  # first, so an interrupted rewrite is never read as data
+  if (out / shards_lib.MANIFEST).exists() and not overwrite:
+    raise UserError(f"{out} already holds prepared data; pass --overwrite or choose another --out")
+
+
+def _publish(staging: Path, out: Path, manifest: dict) -> None:
+  """Moves the finished shards from `staging` into `out`, replacing earlier prepared data there; the manifest
+  goes last, so an interrupted move is never read as data."""
   out.mkdir(parents=True, exist_ok=True)
+  (out / shards_lib.MANIFEST).unlink(missing_ok=True)
   for stale in list(out.glob("shard-*.tokens")) + list(out.glob("shard-*.index")):
     stale.unlink()
+  for path in staging.iterdir():
+    os.replace(path, out / path.name)
+  shards_lib.write_manifest(out, manifest)
 
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int = 1, workers: int = 1,
@@ -128,26 +152,37 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int 
   files = expand(inputs)
   tok = tokenize.resolve(tokenizer, eos)
   out = Path(out)
-  _prepare_out(out, overwrite)
-  writers = [shards_lib.ShardWriter(out, s) for s in range(shards)]
-  total_bytes = sum(p.stat().st_size for p in files)
-  documents, start = 0, time.perf_counter()
-  with _Progress(total_bytes, progress) as bar:
-    for tokens, lengths, size in encoded_chunks(tok, read_chunks(files, text_field), workers):
-      if tokens.size and int(tokens.max()) >= tok.vocab_size:
-        raise UserError(f"--tokenizer {tokenizer} produced id {int(tokens.max())} ≥ its vocab size {tok.vocab_size}")
-      shard_of_doc = (documents + np.arange(len(lengths))) % shards
-      shard_of_token = np.repeat(shard_of_doc, lengths)
-      for s, writer in enumerate(writers):
-        writer.add(tokens[shard_of_token == s], lengths[shard_of_doc == s])
-      documents += len(lengths)
-      bar.advance(size)
-  entries = [w.close() for w in writers]
-  seconds = time.perf_counter() - start
-  manifest = {"format": shards_lib.FORMAT, "tokenizer": tok.manifest(), "vocab_size": tok.vocab_size,
-              "eos_id": tok.eos_id, "documents": documents, "tokens": sum(e["tokens"] for e in entries),
-              "input_bytes": total_bytes, "inputs": [str(p) for p in files], "shards": entries}
-  shards_lib.write_manifest(out, manifest)
+  _check_out(out, overwrite)
+  # written beside --out first: bad input found halfway leaves what --out held untouched
+  staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+  shutil.rmtree(staging, ignore_errors=True)
+  staging.mkdir(parents=True)
+  try:
+    writers = [shards_lib.ShardWriter(staging, s) for s in range(shards)]
+    total_bytes = sum(p.stat().st_size for p in files)
+    documents, start = 0, time.perf_counter()
+    with _Progress(total_bytes, progress) as bar:
+      for tokens, lengths, size in encoded_chunks(tok, read_chunks(files, text_field), workers):
+        if tokens.size and int(tokens.max()) >= tok.vocab_size:
+          raise UserError(f"--tokenizer {tokenizer} produced id {int(tokens.max())} ≥ its vocab size "
+                          f"{tok.vocab_size}")
+        shard_of_doc = (documents + np.arange(len(lengths))) % shards
+        shard_of_token = np.repeat(shard_of_doc, lengths)
+        for s, writer in enumerate(writers):
+          writer.add(tokens[shard_of_token == s], lengths[shard_of_doc == s])
+        documents += len(lengths)
+        bar.advance(size)
+    entries = [w.close() for w in writers]
+    if documents == 0:
+      raise UserError(f"--input {' '.join(inputs)} holds no document (the files are empty"
+                      f"{' or their records have no text' if any(map(_is_jsonl, files)) else ''}); nothing written")
+    seconds = time.perf_counter() - start
+    manifest = {"format": shards_lib.FORMAT, "tokenizer": tok.manifest(), "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id, "documents": documents, "tokens": sum(e["tokens"] for e in entries),
+                "input_bytes": total_bytes, "inputs": [str(p) for p in files], "shards": entries}
+    _publish(staging, out, manifest)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
   if progress:
     print(f"prepared {documents:,} documents, {manifest['tokens']:,} tokens from {total_bytes / 1e6:,.1f} MB in "
           f"{seconds:.1f} s ({total_bytes / 1e6 / seconds:,.1f} MB/s, {manifest['tokens'] / seconds:,.0f} tokens/s) "

@@ -300,17 +300,9 @@ def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=()
   device is wholly visible to the late half of the queries only. Each step after the first is t·h scores on
   every device: half the work of the plain ring, the same on every device."""
   me, t = jax.lax.axis_index(axes), q_btnK.shape[1]
-  h = t // 2
   perm = [(i, (i + 1) % size) for i in range(size)]
   parts = len(kv_chunk)
-
-  token_index = lambda j: chunk_tokens(j, t, size, zigzag)
-  q_pos = token_index(me)
-
-  fold = lambda state, q, k, v, mask: softmax_fold(state, q, k, v, mask, scale)
-
-  def same_segment(seg_bq, seg_bs):
-    return None if seg_bt is None else seg_bq[:, :, None] == seg_bs[:, None, :]
+  q_pos = chunk_tokens(me, t, size, zigzag)
 
   def visit(state, chunk, r, own=False):
     """Fold in the chunk held at step r (it started on device j = (me − r) mod size); `own`: r = 0, the device's
@@ -319,21 +311,11 @@ def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=()
     seg_bs = chunk[parts] if seg_bt is not None else None
     j = (me - r) % size
     if own or not zigzag:
-      mask_bts = (q_pos[:, None] >= token_index(j)[None, :])[None]
+      mask_bts = (q_pos[:, None] >= chunk_tokens(j, t, size, zigzag)[None, :])[None]
       if seg_bt is not None:
-        mask_bts = mask_bts & same_segment(seg_bt, seg_bs)
-      return fold(state, q_btnK, k_bsnK, v_bsnP, mask_bts)
-
-    def earlier():  # every query sees the chunk's early half
-      seg_h = None if seg_bs is None else seg_bs[:, :h]
-      return fold(state, q_btnK, k_bsnK[:, :h], v_bsnP[:, :h], same_segment(seg_bt, seg_h))
-
-    def later():  # the late queries see the whole chunk
-      seg_q = None if seg_bt is None else seg_bt[:, h:]
-      late = fold(tuple(a[:, :, h:] for a in state), q_btnK[:, h:], k_bsnK, v_bsnP, same_segment(seg_q, seg_bs))
-      return tuple(a.at[:, :, h:].set(b) for a, b in zip(state, late))
-
-    return jax.lax.cond(j < me, earlier, later)
+        mask_bts = mask_bts & _same_segment(seg_bt, seg_bs)
+      return softmax_fold(state, q_btnK, k_bsnK, v_bsnP, mask_bts, scale)
+    return _fold_zigzag(state, q_btnK, k_bsnK, v_bsnP, seg_bt, seg_bs, j < me, scale)
 
   def step(carry, r):
     chunk, state = carry
@@ -343,19 +325,46 @@ def ring_attention(q_btnK, kv_chunk, expand, seg_bt, scale, axes, size, typed=()
     state = visit(state, chunk, r)  # step 0 visits the own chunk (one causal mask for every step)
     return (jax.lax.ppermute(chunk, axes, perm), state), None
 
-  b, _, n, _ = q_btnK.shape
-  P = jax.eval_shape(expand, *kv_chunk)[1].shape[-1]
-  # the running values vary over every mesh axis their inputs vary over (a scan carry must keep its type)
-  zero = sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in (q_btnK, *kv_chunk, *typed))
   chunk = tuple(kv_chunk) + ((seg_bt,) if seg_bt is not None else ())
-  state = (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), NEG, jnp.float32) + zero,
-           jnp.zeros((b, n, t), jnp.float32) + zero)
+  state = _ring_start(q_btnK, kv_chunk, expand, typed)
   if zigzag:
     state = jax.checkpoint(lambda state, chunk: visit(state, chunk, 0, own=True))(state, chunk)
   (_, (out_bntP, _, sum_bnt)), _ = jax.lax.scan(jax.checkpoint(step), (chunk, state),
                                                 jnp.arange(1 if zigzag else 0, size))
   out_btnP = jnp.transpose(out_bntP / sum_bnt[..., None], (0, 2, 1, 3)).astype(q_btnK.dtype)
   return checkpoint_name(out_btnP, "attn_context")
+
+
+def _same_segment(seg_bq, seg_bs):
+  return None if seg_bq is None else seg_bq[:, :, None] == seg_bs[:, None, :]
+
+
+def _fold_zigzag(state, q_btnK, k_bsnK, v_bsnP, seg_bt, seg_bs, earlier, scale):
+  """A chunk from another device under zigzag: from an `earlier` device every query sees its early half (the
+  late half is in every query's future); from a later device only the late half of the queries sees it, whole."""
+  h = q_btnK.shape[1] // 2
+
+  def from_earlier():
+    seg_h = None if seg_bs is None else seg_bs[:, :h]
+    return softmax_fold(state, q_btnK, k_bsnK[:, :h], v_bsnP[:, :h], _same_segment(seg_bt, seg_h), scale)
+
+  def from_later():
+    seg_q = None if seg_bt is None else seg_bt[:, h:]
+    late = softmax_fold(tuple(a[:, :, h:] for a in state), q_btnK[:, h:], k_bsnK, v_bsnP,
+                        _same_segment(seg_q, seg_bs), scale)
+    return tuple(a.at[:, :, h:].set(b) for a, b in zip(state, late))
+
+  return jax.lax.cond(earlier, from_earlier, from_later)
+
+
+def _ring_start(q_btnK, kv_chunk, expand, typed):
+  """The online softmax's (output [b, n, t, P], running max, running sum) before any key. They vary over every
+  mesh axis their inputs vary over (a scan carry must keep its type)."""
+  b, t, n, _ = q_btnK.shape
+  P = jax.eval_shape(expand, *kv_chunk)[1].shape[-1]
+  zero = sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in (q_btnK, *kv_chunk, *typed))
+  return (jnp.zeros((b, n, t, P), jnp.float32) + zero, jnp.full((b, n, t), NEG, jnp.float32) + zero,
+          jnp.zeros((b, n, t), jnp.float32) + zero)
 
 
 def make_attention(cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs) -> nnx.Module:

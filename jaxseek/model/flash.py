@@ -39,14 +39,14 @@ def attention(q_BTNK: jax.Array, k_BSGK: jax.Array, v_BSGP: jax.Array, segment_i
               block: int = BLOCK) -> jax.Array:
   """Causal softmax attention with G ≤ N key/value heads; packed segments never attend to each other.
   Equal in value and gradient to `attention.dense_attention`."""
-  T, S = q_BTNK.shape[1], k_BSGK.shape[1]
-  B = q_BTNK.shape[0]
-  seg_q = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
-  seg_k = seg_q if key_segment_ids_BS is None else key_segment_ids_BS.astype(jnp.int32)
+  B, T, S = q_BTNK.shape[0], q_BTNK.shape[1], k_BSGK.shape[1]
   if segment_ids_BT is not None and key_segment_ids_BS is None and S != T:
     raise ValueError("attention: keys of another length need their own segment ids")
-  if key_segment_ids_BS is None and segment_ids_BT is None:
-    seg_k = jnp.zeros((B, S), jnp.int32)
+  seg_q = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
+  if key_segment_ids_BS is not None:
+    seg_k = key_segment_ids_BS.astype(jnp.int32)
+  else:  # the queries' own ids (keys of the same length), or one segment
+    seg_k = seg_q if segment_ids_BT is not None else jnp.zeros((B, S), jnp.int32)
   offset = jnp.asarray(query_offset, jnp.int32)
   return _flash(q_BTNK, k_BSGK, v_BSGP, seg_q, seg_k, offset, scale, block_size(T, block), block_size(S, block))
 

@@ -79,7 +79,7 @@ def _has_tokamax() -> bool:
   return True
 
 
-def _tokamax():
+def tokamax_module():
   try:
     import tokamax
   except ImportError as e:
@@ -104,7 +104,7 @@ def tokamax_attention(q_BTNK, k_BSGK, v_BSGP, segment_ids_BT, scale, key_segment
                       implementation: str = "mosaic"):
   """Causal attention through a tokamax kernel with the packed-document mask as key ranges per query:
   query t (at sequence position offset + t) sees keys [start of its segment, offset + t]."""
-  _tokamax()
+  tokamax_module()
   from tokamax._src.ops.attention import api, base
 
   T, S = q_BTNK.shape[1], k_BSGK.shape[1]
@@ -128,7 +128,7 @@ def tokamax_attention(q_BTNK, k_BSGK, v_BSGP, segment_ids_BT, scale, key_segment
 
 def tokamax_ragged_dot(x_RD, w_EDF, sizes_E, implementation: str = "mosaic"):
   """Grouped GEMM of rows sorted by group through tokamax (Mosaic GPU or Triton kernels, their own backward)."""
-  tokamax = _tokamax()
+  tokamax = tokamax_module()
   from tokamax._src.ops.ragged_dot import api
 
   name = "mosaic_gpu" if implementation == "mosaic" else implementation

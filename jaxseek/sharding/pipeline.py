@@ -229,13 +229,7 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
 
     def tick(carry, t):
       held_bTD, aux_acc = carry
-      k = t - s  # this stage's work item at tick t
-      kc = jnp.clip(k, 0, items - 1)
-      r, m = (kc % (R * S)) // S, (kc // (R * S)) * S + kc % S
-      if R == 1:
-        r, m = jnp.zeros_like(kc), kc
-      valid = (k >= 0) & (k < items) & (m < M)
-      mc = jnp.clip(m, 0, M - 1)
+      r, mc, valid = work_item(t - s, S, M, R, items)
       x_bTD = jnp.where((s == 0) & (r == 0), x_MbTD[mc], held_bTD)
       y_bTD, aux = stage(x_bTD, jax.tree.map(lambda a: a[mc], side_M), jax.tree.map(lambda a: a[r], chunks))
       aux_acc = jax.tree.map(
@@ -249,11 +243,8 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
         aux_shape, rows)
     init = (jnp.zeros_like(x_MbTD[0]), aux_zero)
     (_, aux_acc), y_tbTD = jax.lax.scan(tick, init, jnp.arange(num_ticks(S, M, R)))
-    # The last stage finishes microbatch m at tick S − 1 + k (its last round's work item); share those outputs
-    # (replicated over `pipeline` from here on).
-    m = np.arange(M)
-    last_k = (m // S) * R * S + (R - 1) * S + m % S if R > 1 else m
-    out_MbTD = jax.lax.psum(jnp.where(s == S - 1, y_tbTD[S - 1 + last_k], 0), AXIS)
+    # the last stage's outputs, shared (replicated over `pipeline` from here on)
+    out_MbTD = jax.lax.psum(jnp.where(s == S - 1, y_tbTD[finish_ticks(S, M, R)], 0), AXIS)
     aux_acc = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_acc)  # [R, C] → storage rows
     aux_acc = {k: merge_rows(a) if rows[k] else a for k, a in aux_acc.items()}
     return out_MbTD, aux_acc
@@ -263,11 +254,31 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
   # the output is on every stage; from here on each stage takes its share of the batch again (rows of every
   # microbatch split over pipeline × data × …, which after merging is the batch's own split)
   out_MbTD = shard(out_MbTD, (None, "batch", "length", "embed"))
-  stored = jax.tree.leaves(layer_state)[0].shape[0]
-  if num_layers is not None and num_layers < stored:
-    real = np.arange(stored) < num_layers
-    aux = jax.tree.map(lambda a: jnp.where(real.reshape(-1, *([1] * (a.ndim - 1))), a, jnp.zeros((), a.dtype)), aux)
-  return merge_microbatches(out_MbTD), aux
+  return merge_microbatches(out_MbTD), _zero_padding_rows(aux, jax.tree.leaves(layer_state)[0].shape[0], num_layers)
+
+
+def work_item(k: jax.Array, S: int, M: int, R: int, items: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A stage's k-th work item (k = tick − stage): (round r, microbatch m clipped to [0, M), whether it is real
+  work rather than a bubble). With R rounds, S microbatches at a time go round all R chunks before the next S."""
+  kc = jnp.clip(k, 0, items - 1)
+  r, m = (kc % (R * S)) // S, (kc // (R * S)) * S + kc % S
+  if R == 1:
+    r, m = jnp.zeros_like(kc), kc
+  return r, jnp.clip(m, 0, M - 1), (k >= 0) & (k < items) & (m < M)
+
+
+def finish_ticks(S: int, M: int, R: int) -> np.ndarray:
+  """The tick at which the last stage finishes each microbatch m: S − 1 + its last round's work item."""
+  m = np.arange(M)
+  return S - 1 + ((m // S) * R * S + (R - 1) * S + m % S if R > 1 else m)
+
+
+def _zero_padding_rows(aux: dict, stored: int, num_layers: int | None) -> dict:
+  """aux with the rows of identity padding layers (from `num_layers` on) zeroed."""
+  if num_layers is None or num_layers >= stored:
+    return aux
+  real = np.arange(stored) < num_layers
+  return jax.tree.map(lambda a: jnp.where(real.reshape(-1, *([1] * (a.ndim - 1))), a, jnp.zeros((), a.dtype)), aux)
 
 
 def merge_rows(a_lMb: jax.Array) -> jax.Array:

@@ -162,13 +162,14 @@ def shard(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, activation_spec(names))
 
 
-def _is_variable(x) -> bool:
+def is_variable(x) -> bool:
+  """An nnx Variable: the leaf of state trees (`is_leaf` for jax.tree.map)."""
   return isinstance(x, nnx.Variable)
 
 
 def logical_axes(state) -> object:
   """The tree of logical-axis tuples of an nnx State (leaves: tuples)."""
-  return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state, is_leaf=_is_variable)
+  return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state, is_leaf=is_variable)
 
 
 def param_shardings(state, mesh: jax.sharding.Mesh, rules: Rules = PARAM_RULES):
@@ -177,4 +178,4 @@ def param_shardings(state, mesh: jax.sharding.Mesh, rules: Rules = PARAM_RULES):
     make = lambda v: param_spec(v.get_metadata()["logical_axes"], v.shape, mesh)
   else:
     make = lambda v: spec(v.get_metadata()["logical_axes"], rules)
-  return jax.tree.map(lambda v: NamedSharding(mesh, make(v)), state, is_leaf=_is_variable)
+  return jax.tree.map(lambda v: NamedSharding(mesh, make(v)), state, is_leaf=is_variable)
