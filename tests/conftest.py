@@ -4,7 +4,9 @@ import os
 from pathlib import Path
 
 # Tests compile many small programs: XLA:CPU's backend optimisations cost more time than they save here.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# JAXSEEK_TEST_DEFAULT_OPT=1 keeps XLA's default level (tests/test_default_opt_level.py runs a subset so).
+if os.environ.get("JAXSEEK_TEST_DEFAULT_OPT") != "1":
+  os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
 

@@ -1,0 +1,33 @@
+"""Exactness at XLA's default optimisation level: conftest.py compiles every test at level 0 (faster to compile),
+so one test each of sharding invariance, expert, pipeline and context parallelism runs again in a subprocess
+without that flag; fusion and layout passes at the default level must not change what they prove."""
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+LEVEL_0 = "--xla_backend_optimization_level=0"
+SUBSET = [
+    "tests/test_sharding.py::test_sharded_training_equals_single_device[d2f2t2]",
+    "tests/test_moe.py::test_expert_parallel_training_equals_single_device[expert2]",
+    "tests/test_pipeline.py::test_pipelined_training_equals_single_device[dense-p4-m8]",
+    "tests/test_context.py::test_context_parallel_training_equals_single_device[dense-c2-ring-packed]",
+]
+# pytest in-process, then the XLA_FLAGS its conftest left: proof that the subset did not run at level 0
+INNER = ("import os, sys, pytest; code = pytest.main(['-q', '-p', 'no:cacheprovider', *sys.argv[1:]]); "
+         "print('XLA_FLAGS=' + repr(os.environ.get('XLA_FLAGS'))); sys.exit(code)")
+
+
+def test_exactness_subset_passes_at_the_default_optimisation_level(run_env):
+  env = dict(run_env, JAXSEEK_TEST_DEFAULT_OPT="1")
+  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != LEVEL_0)
+  env.pop("XLA_FLAGS", None)
+  if flags:
+    env["XLA_FLAGS"] = flags
+  proc = subprocess.run([sys.executable, "-c", INNER, *SUBSET], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=900)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out
+  assert f"{len(SUBSET)} passed" in out, out
+  assert LEVEL_0 not in out.rsplit("XLA_FLAGS=", 1)[1], out
