@@ -1,6 +1,7 @@
-"""Every test sees 8 simulated CPU devices; tiny configs come from configs/."""
+"""Every test sees 8 simulated CPU devices; tiny configs come from configs/. Helpers shared by the test files."""
 
 import os
+import socket
 from pathlib import Path
 
 # Tests compile many small programs: XLA:CPU's backend optimisations cost more time than they save here.
@@ -16,6 +17,8 @@ jax.config.update("jax_platforms", "cpu")
 import pytest  # noqa: E402
 
 from jaxseek import config as config_lib  # noqa: E402
+from jaxseek import step as step_lib  # noqa: E402
+from jaxseek.metrics import read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -23,6 +26,30 @@ CONFIGS = ROOT / "configs"
 
 def load_config(name: str, *overrides: str) -> config_lib.Config:
   return config_lib.load(CONFIGS / f"{name}.yaml", list(overrides))
+
+
+def run_steps(cfg: config_lib.Config, mesh, trainer, state, batches, steps: int):
+  """`steps` training steps from `state`, one batch from `batches` each: the last state and every step's metrics
+  on the host."""
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
+  records = []
+  with jax.set_mesh(mesh):
+    for _ in range(steps):
+      state, metrics = step_fn(state, next(batches))
+      records.append(jax.device_get(metrics))
+  return state, records
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+  """Loss per step from metrics.jsonl; a step logged twice (before a kill and after the resume) keeps the last."""
+  return {record["step"]: record["loss"] for record in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on now."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -6,14 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CONFIGS, load_config
+from conftest import CONFIGS, load_config, losses, run_steps
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import train as train_lib
 from jaxseek import step as step_lib
@@ -24,11 +23,6 @@ from jaxseek.sharding.mesh import make_mesh
 
 RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=8",
        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "metrics.every=1", "optim.warmup_steps=5"]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-  """Loss per step from metrics.jsonl; a step logged twice (before a kill and after the resume) keeps the last."""
-  return {record["step"]: record["loss"] for record in read_jsonl(run_dir / "metrics.jsonl")}
 
 
 def start(run_dir, env, *extra):
@@ -90,16 +84,6 @@ def test_sigterm_saves_at_the_next_step_and_exits_zero(tmp_path, run_env, straig
   assert [after[s] for s in range(saved + 1, 31)] == [straight_run[s] for s in range(saved + 1, 31)]
 
 
-def run_steps(cfg, mesh, state, batches, trainer, n):
-  step_fn = step_lib.compile_step(trainer, cfg, mesh)
-  out = []
-  with jax.set_mesh(mesh):
-    for _ in range(n):
-      state, metrics = step_fn(state, next(batches))
-      out.append(float(metrics["loss"]))
-  return state, out
-
-
 @pytest.mark.parametrize("target", [("2", "1", "4")], ids=["fsdp2_tensor4"])
 def test_checkpoint_reshards_onto_another_mesh(tmp_path, target):
   base = ["checkpoint.async_save=false", f"train.run_dir={tmp_path}"]
@@ -107,11 +91,11 @@ def test_checkpoint_reshards_onto_another_mesh(tmp_path, target):
   mesh = make_mesh(cfg)
   trainer, state = step_lib.init_state(cfg, mesh)
   batches = GlobalBatches(cfg, mesh)
-  state, _ = run_steps(cfg, mesh, state, batches, trainer, 3)
+  state, _ = run_steps(cfg, mesh, trainer, state, batches, 3)
   ckpt = checkpoint_lib.Checkpointer(cfg, tmp_path / "checkpoints")
   ckpt.save(3, state, batches.iterator)
   ckpt.close()
-  _, expected = run_steps(cfg, mesh, state, batches, trainer, 2)
+  _, expected = run_steps(cfg, mesh, trainer, state, batches, 2)
 
   fsdp, data, tensor = target
   new_cfg = load_config("tiny-v3", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", *base)
@@ -123,8 +107,8 @@ def test_checkpoint_reshards_onto_another_mesh(tmp_path, target):
   assert int(restored.step) == 3
   leaf = jax.tree.leaves(restored.params["dense_layers"])[0]
   assert leaf.sharding.mesh.shape == new_mesh.shape
-  _, got = run_steps(new_cfg, new_mesh, restored, new_batches, new_trainer, 2)
-  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  _, got = run_steps(new_cfg, new_mesh, new_trainer, restored, new_batches, 2)
+  np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in expected], rtol=1e-5)
 
 
 def test_nonfinite_loss_stops_and_checkpoints_stay_finite(tmp_path):

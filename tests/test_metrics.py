@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, load_config
+from conftest import ROOT, free_port, load_config
 from jaxseek import metrics as metrics_lib
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError
@@ -55,12 +55,6 @@ def test_flops_count_only_active_experts_and_scale_with_layers(tiny_v3):
   assert flops[2, 3] > per_moe_layer * 2 > 0
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _scrape(port: int) -> dict[str, float]:
   text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
   values = {}
@@ -88,7 +82,7 @@ def _tensorboard_scalars(path) -> dict[str, dict[int, float]]:
 def test_prometheus_tensorboard_and_profile_of_a_real_run(tmp_path, run_env):
   """A run serves /metrics while it trains: step and loss there equal metrics.jsonl's; TensorBoard holds the same
   losses; the profiled steps leave a trace."""
-  port, run_dir = _free_port(), tmp_path / "run"
+  port, run_dir = free_port(), tmp_path / "run"
   proc = subprocess.Popen(
       [sys.executable, "-m", "jaxseek.train", "--config", str(ROOT / "configs/tiny-v3.yaml"), "train.steps=5000",
        f"train.run_dir={run_dir}", "mesh.num_cpu_devices=8", f"metrics.prometheus_port={port}",

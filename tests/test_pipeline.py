@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import load_config
+from conftest import load_config, run_steps
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import train as train_lib
 from jaxseek import step as step_lib
@@ -23,17 +23,11 @@ def run(name, overrides, devices=None, steps=STEPS):
   cfg = load_config(name, *overrides)
   mesh = make_mesh(cfg, devices)
   trainer, state = step_lib.init_state(cfg, mesh)
-  step_fn = step_lib.compile_step(trainer, cfg, mesh)
-  batches = global_batches(cfg, mesh)
-  out = []
-  with jax.set_mesh(mesh):
-    for _ in range(steps):
-      state, metrics = step_fn(state, next(batches))
-      # per-MoE-layer loads and biases too: they must come back in layer order from any storage order
-      out.append([float(metrics["loss"]), float(metrics["grad_norm"]),
-                  *np.ravel(metrics.get("moe_load_max_over_mean_by_layer", [])),
-                  *np.ravel(metrics.get("moe_bias_range_by_layer", []))])
-  return np.array(out)
+  _, records = run_steps(cfg, mesh, trainer, state, global_batches(cfg, mesh), steps)
+  # per-MoE-layer loads and biases too: they must come back in layer order from any storage order
+  return np.array([[float(m["loss"]), float(m["grad_norm"]),
+                    *np.ravel(m.get("moe_load_max_over_mean_by_layer", [])),
+                    *np.ravel(m.get("moe_bias_range_by_layer", []))] for m in records])
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import load_config
+from conftest import load_config, run_steps
 from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.sharding.mesh import make_mesh
@@ -19,32 +19,25 @@ def mesh_overrides(data, fsdp, tensor):
   return [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]
 
 
-def run_steps(cfg, devices, steps=3):
+def train_on(cfg, devices, steps=3):
   """Losses, gradient norms and final MoE biases of `steps` training steps on `devices`."""
   mesh = make_mesh(cfg, devices)
   trainer, state = step_lib.init_state(cfg, mesh)
-  step_fn = step_lib.compile_step(trainer, cfg, mesh)
-  batches = global_batches(cfg, mesh)
-  losses, norms = [], []
-  with jax.set_mesh(mesh):
-    for _ in range(steps):
-      state, metrics = step_fn(state, next(batches))
-      losses.append(float(metrics["loss"]))
-      norms.append(float(metrics["grad_norm"]))
+  state, records = run_steps(cfg, mesh, trainer, state, global_batches(cfg, mesh), steps)
   biases = [np.asarray(b) for b in jax.tree.leaves(state.biases)]
-  return np.array(losses), np.array(norms), biases
+  return np.array([r["loss"] for r in records]), np.array([r["grad_norm"] for r in records]), biases
 
 
 @pytest.fixture(scope="module")
 def single_device_run():
   cfg = load_config("tiny-v3", *mesh_overrides(1, 1, 1))
-  return run_steps(cfg, jax.devices()[:1])
+  return train_on(cfg, jax.devices()[:1])
 
 
 @pytest.mark.parametrize("name", MESHES)
 def test_sharded_training_equals_single_device(name, single_device_run):
   cfg = load_config("tiny-v3", *mesh_overrides(*MESHES[name]))
-  losses, norms, biases = run_steps(cfg, jax.devices())
+  losses, norms, biases = train_on(cfg, jax.devices())
   ref_losses, ref_norms, ref_biases = single_device_run
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
@@ -54,9 +47,9 @@ def test_sharded_training_equals_single_device(name, single_device_run):
 
 
 def test_microbatch_accumulation_equals_full_batch():
-  full = run_steps(load_config("tiny-v3", *mesh_overrides(2, 2, 2)), jax.devices(), steps=2)
-  accumulated = run_steps(load_config("tiny-v3", *mesh_overrides(2, 2, 2), "train.microbatches=2"),
-                          jax.devices(), steps=2)
+  full = train_on(load_config("tiny-v3", *mesh_overrides(2, 2, 2)), jax.devices(), steps=2)
+  accumulated = train_on(load_config("tiny-v3", *mesh_overrides(2, 2, 2), "train.microbatches=2"),
+                         jax.devices(), steps=2)
   np.testing.assert_allclose(accumulated[0], full[0], rtol=1e-5)
   np.testing.assert_allclose(accumulated[1], full[1], rtol=1e-5)
   np.testing.assert_allclose(accumulated[2][0], full[2][0], rtol=1e-5, atol=1e-7)
