@@ -128,16 +128,26 @@ def test_nonfinite_loss_stops_and_checkpoints_stay_finite(tmp_path):
 
 
 def test_skip_mode_leaves_the_state_unchanged_on_bad_steps():
-  cfg = load_config("tiny-v3", "mesh.data=8", "train.on_nonfinite=skip")
+  """A skipped step changes nothing but the step counter, and the logged lr is the rate the optimiser used: its
+  warm-up (1e-3 over 4 steps: 2.5e-4, 5e-4, ...) does not advance over the skipped step."""
+  cfg = load_config("tiny-v3", "mesh.data=8", "train.on_nonfinite=skip", "optim.lr=1e-3", "optim.warmup_steps=4",
+                    "train.steps=100", "optim.schedule=cosine")
   mesh = make_mesh(cfg)
   trainer, state = step_lib.init_state(cfg, mesh)
   batch = next(GlobalBatches(cfg, mesh))
   bad = dict(batch, loss_mask=batch["loss_mask"] * jnp.nan)
   before = jax.tree.map(np.asarray, state.params)
+  step_fn = step_lib.compile_step(trainer, cfg, mesh)
   with jax.set_mesh(mesh):
-    state, metrics = step_lib.compile_step(trainer, cfg, mesh)(state, bad)
-  assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1 and int(state.step) == 1
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+    state, metrics = step_fn(state, bad)
+    assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite"]) == 1 and int(state.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+    lrs = [float(metrics["lr"])]
+    for _ in range(2):
+      state, metrics = step_fn(state, batch)
+      assert int(metrics["skipped"]) == 0
+      lrs.append(float(metrics["lr"]))
+  np.testing.assert_allclose(lrs, [2.5e-4, 2.5e-4, 5e-4], rtol=1e-6)
 
 
 def test_spike_detection():
