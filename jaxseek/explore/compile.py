@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the real train step for a mesh, on simulated CPU devices (`--compile`).
 
-Lowers and compiles `train.compile_step` with abstract inputs (nothing is allocated), then reads XLA's memory
+Lowers and compiles `step.compile_step` with abstract inputs (nothing is allocated), then reads XLA's memory
 analysis and the collectives of the compiled module. Each collective's replica groups (or source → target
 pairs) are mapped back to the mesh axes along which its devices differ: logical device i of the SPMD program
 is the mesh position np.unravel_index(i, mesh shape).
