@@ -9,19 +9,39 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
 class Preemption:
-  """Notices SIGTERM (what SLURM sends before pre-empting, with --signal) and SIGINT.
+  """Notices SIGTERM (what SLURM sends before pre-empting, with --signal) and SIGINT; `requested()`, called once
+  per step, is True at the step boundary where the run should save and exit.
 
-  `requested(step)` is True at the step boundary where every process should save and exit. With several
-  processes they must agree on the step: JAX's preemption sync point (jax.distributed's coordination service)
-  decides it; a single process uses its own signal flag.
+  One process: the signal handler sets a flag. Several processes must save the same step (an Orbax save is
+  collective), though a scheduler may signal them at different moments, or only one. So after each step every
+  process adds its flag to a max over the processes (one int all-reduced between a device of each), and reads
+  the result one step later, when the metrics are read and the previous step is done anyway: no extra host
+  sync, and every process decides on the same step, whichever processes were signalled and whenever.
+
+  Not JAX's preemption sync point: its native SIGTERM handler is replaced by any Python one (ours must stay
+  for one process and for SIGINT), and Orbax's save-finalising thread calls it with the saved step, rewinding
+  the step count it compares with; a process could then reach the sync point alone and save alone. main()
+  switches JAX's service off, so SIGTERM before the loop ends a process at once, as it does a single one.
   """
 
   def __init__(self):
     self.signal_name: str | None = None
+    self.shared = jax.process_count() > 1
     self._previous = {}
+    if self.shared:  # a flag on the first device of each process, 0 or 1, built once
+      firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                for p in range(jax.process_count())]
+      self._mesh = Mesh(np.array(firsts), ("process",))
+      self._flags = [jax.make_array_from_callback((len(firsts),), NamedSharding(self._mesh, P("process")),
+                                                  lambda _, v=v: np.full((1,), v, np.int32)) for v in (0, 1)]
+      self._any = jax.jit(jnp.max, out_shardings=NamedSharding(self._mesh, P()))
+      self._seen = None  # the max dispatched after the previous step
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._previous[sig] = signal.signal(sig, self._handle)
@@ -29,11 +49,22 @@ class Preemption:
   def _handle(self, signum, frame) -> None:
     self.signal_name = signal.Signals(signum).name
 
-  def requested(self, step: int) -> bool:
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      return bool(multihost_utils.reached_preemption_sync_point(step)) or self.signal_name is not None
-    return self.signal_name is not None
+  def requested(self) -> bool:
+    """True once any process has been signalled; with several processes, at the same step on all of them."""
+    if not self.shared:
+      return self.signal_name is not None
+    seen, self._seen = self._seen, None
+    if seen is not None and bool(seen):  # ready: it ran right after the previous step
+      return True
+    with jax.set_mesh(self._mesh):  # not the run's mesh: one device per process
+      self._seen = self._any(self._flags[self.signal_name is not None])
+    return False
+
+  @property
+  def reason(self) -> str:
+    if self.shared:
+      return f"{self.signal_name} to this process" if self.signal_name else "a signal to another process"
+    return self.signal_name or "signal"
 
   def restore(self) -> None:
     for sig, handler in self._previous.items():
@@ -49,19 +80,24 @@ class Watchdog:
     self.last: float | None = None
     self.step = 0
     self._stop = threading.Event()
+    self._lock = threading.Lock()  # once stop() returns, the watchdog cannot fire
     if timeout_s:
       threading.Thread(target=self._watch, name="jaxseek-watchdog", daemon=True).start()
 
   def beat(self, step: int) -> None:
-    self.step, self.last = step, time.monotonic()
+    with self._lock:
+      self.step, self.last = step, time.monotonic()
 
   def _watch(self) -> None:
     while not self._stop.wait(min(self.timeout_s / 4, 5.0)):
-      if self.last is not None and time.monotonic() - self.last > self.timeout_s:
+      with self._lock:
+        if self._stop.is_set() or self.last is None or time.monotonic() - self.last <= self.timeout_s:
+          continue
         print(f"error: process {jax.process_index()}: step {self.step + 1} did not finish within "
               f"train.step_timeout_s={self.timeout_s:g} s (a dead peer or a hung collective); exiting",
               file=sys.stderr, flush=True)
         os._exit(1)
 
   def stop(self) -> None:
-    self._stop.set()
+    with self._lock:
+      self._stop.set()

@@ -115,17 +115,20 @@ def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watch
     if pending is not None:  # read one step late: the device is already busy with this step
       reporter(*pending)
       watchdog.beat(pending[0])
-    preempted = preemption.requested(step)
+    preempted = preemption.requested()  # with several processes, True at the same step on all of them
+    last = preempted or step == cfg.train.steps
+    if last:
+      watchdog.stop()  # the last save may take longer than a step (and waits for every process); not a hang
     extra = {}
-    if preempted or step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+    if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
       extra["ckpt_block_s"] = ckpt.save(step, state, batches.iterator)
     pending = (step, metrics, data_wait, extra)
     if preempted:
       reporter(*pending)
-      watchdog.stop()  # the save may take longer than a step; it is not a hang
       ckpt.wait()
-      _log(f"pre-empted ({preemption.signal_name or 'sync point'}): saved step {step}; "
-           f"run the same command again to resume")
+      who = f"process {jax.process_index()}/{jax.process_count()}: " if preemption.shared else ""
+      print(f"{who}pre-empted ({preemption.reason}): saved step {step}; run the same command again to resume",
+            flush=True)  # every process says so: each saved its part
       return state, "preempted"
   if pending is not None:
     reporter(*pending)
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
   path, overrides = parse_args(argv)
   cfg = config_lib.load(path, overrides)
   mesh_lib.simulate_cpu_devices(cfg.mesh.num_cpu_devices)
+  jax.config.update("jax_enable_preemption_service", False)  # faults.Preemption agrees on the step itself
   multi_process = mesh_lib.initialize_distributed(cfg.dist)
   try:
     run(cfg)

@@ -1,7 +1,7 @@
 """Real multi-process runs: 2 local processes × 4 simulated CPU devices joined by jax.distributed (gloo)."""
 
 import json
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,22 +108,81 @@ def test_slurm_environment_is_detected(run_env):
   assert "joined 0 2 4 8" in outputs[0] and "joined 1 2 4 8" in outputs[1]
 
 
-def test_a_dead_peer_ends_the_other_process(tmp_path, run_env):
+def start_pair(run_dir, env, *overrides):
+  """Two training processes joined directly (not through the launcher, so each can be signalled or killed)."""
   port = free_port()
   procs = []
   for i in range(2):
-    env = dict(run_env, JAXSEEK_COORDINATOR=f"127.0.0.1:{port}", JAXSEEK_NUM_PROCESSES="2", JAXSEEK_PROCESS_ID=str(i))
+    penv = dict(env, JAXSEEK_COORDINATOR=f"127.0.0.1:{port}", JAXSEEK_NUM_PROCESSES="2", JAXSEEK_PROCESS_ID=str(i))
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=4",
-         "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=100000", "metrics.every=1",
-         "train.step_timeout_s=20", f"train.run_dir={tmp_path}"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True))
+         f"train.run_dir={run_dir}", *overrides], env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True))
+  return procs
+
+
+def wait_for_metrics(run_dir, procs, n):
   deadline = time.monotonic() + 300
-  while not ((tmp_path / "metrics.jsonl").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) > 3):
-    assert time.monotonic() < deadline and procs[0].poll() is None
+  while not ((run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) > n):
+    assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
     time.sleep(0.1)
+
+
+def test_a_dead_peer_ends_the_other_process(tmp_path, run_env):
+  """A killed peer: the survivor exits 1, by gloo's error if a collective was reading from the closed socket,
+  else by the watchdog (which of the two depends on the moment of the kill)."""
+  procs = start_pair(tmp_path, run_env, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=100000",
+                     "metrics.every=1", "train.step_timeout_s=20")
+  wait_for_metrics(tmp_path, procs, 3)
   procs[1].send_signal(signal.SIGKILL)
   killed = time.monotonic()
   out, _ = procs[0].communicate(timeout=120)
-  assert procs[0].returncode != 0, out[-2000:]
-  assert time.monotonic() - killed < 60, out[-2000:]
+  assert procs[0].returncode == 1, out[-2000:]
+  assert re.search(r"error: process 0: (UNKNOWN: Gloo .* failed: .*(reset|closed) by peer|step \d+ did not finish "
+                   r"within train.step_timeout_s=20 s)", out), out[-2000:]
+  assert time.monotonic() - killed < 20 + 5 + 15, out[-2000:]  # timeout + the watchdog's 5 s poll + exit
+
+
+def test_a_hung_peer_is_ended_by_the_watchdog(tmp_path, run_env):
+  """A stopped peer keeps its sockets open, so the survivor waits in a collective until its watchdog fires."""
+  procs = start_pair(tmp_path, run_env, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=100000",
+                     "metrics.every=1", "train.step_timeout_s=20")
+  try:
+    wait_for_metrics(tmp_path, procs, 3)
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    out, _ = procs[0].communicate(timeout=120)
+    elapsed = time.monotonic() - stopped
+  finally:
+    procs[1].kill()
+    procs[1].communicate()
+  assert procs[0].returncode == 1, out[-2000:]
+  assert re.search(r"error: process 0: step \d+ did not finish within train.step_timeout_s=20 s", out), out[-2000:]
+  assert 20 - 5 < elapsed < 20 + 5 + 15, (elapsed, out[-2000:])  # the last beat was a step before the stop
+
+
+def test_sigterm_to_one_process_saves_the_same_step_on_both(tmp_path, run_env):
+  """A signal that reaches one process only: both agree on a step, save it, exit 0, and the rerun resumes exactly."""
+  mesh = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]
+  run_dir = tmp_path / "run"
+  procs = start_pair(run_dir, run_env, *mesh, *COMMON, "train.steps=100000", "checkpoint.every=100000",
+                     "train.step_timeout_s=60")
+  try:
+    wait_for_metrics(run_dir, procs, 3)
+    procs[1].send_signal(signal.SIGTERM)
+    procs[1].send_signal(signal.SIGTERM)  # a second signal changes nothing
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+  saved = [re.findall(rf"process {i}/2: pre-empted \(.*\): saved step (\d+);", out) for i, out in enumerate(outs)]
+  assert len(saved[0]) == 1 and saved[0] == saved[1], saved
+  n = int(saved[0][0])
+  assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == [str(n)]
+  data = sorted(p.name for p in (run_dir / "checkpoints" / str(n) / "data").glob("process_*"))
+  assert data == ["process_0-of-2.json", "process_1-of-2.json"]
+  out = launch(run_dir, run_env, *mesh, f"train.steps={n + 3}", "checkpoint.every=100000")
+  assert f"resumed from step {n}" in out
+  np.testing.assert_allclose(losses(run_dir), reference(tmp_path, *mesh, f"train.steps={n + 3}"), rtol=1e-5)
