@@ -11,7 +11,6 @@ checkpoint layout that conversion writes and training resumes from:
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from pathlib import Path
 
