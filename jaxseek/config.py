@@ -247,6 +247,28 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation during training (docs/evaluate.md): the loss on a fixed set of batches, the same each time."""
+
+  source: str | None = None  # null: no evaluation; holdout: the held-out share of data.source; or a prepared folder
+  holdout: float = 0.0  # eval.source=holdout: the share of data.source's documents held out (training never reads them)
+  every: int = 0  # evaluate after every N steps (0: only at the end); always after the last step
+  tokens: int = 65536  # token positions per evaluation, rounded up to whole train.batch_size × train.seq_len batches
+
+  def __post_init__(self):
+    if self.source == "synthetic":
+      raise UserError("config key eval.source: synthetic is what training reads; use holdout or a prepared folder")
+    if self.source == "holdout" and not 0 < self.holdout < 1:
+      raise UserError(f"config key eval.holdout: {self.holdout} must be between 0 and 1 (exclusive) with "
+                      f"eval.source=holdout, e.g. 0.01")
+    if self.source != "holdout" and self.holdout:
+      raise UserError(f"config key eval.holdout: {self.holdout} needs eval.source=holdout (now {self.source!r})")
+    for key, low in (("every", 0), ("tokens", 1)):
+      if getattr(self, key) < low:
+        raise UserError(f"config key eval.{key}: {getattr(self, key)} must be ≥ {low}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
@@ -256,6 +278,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   metrics: MetricsConfig = MetricsConfig()
+  eval: EvalConfig = EvalConfig()
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -478,6 +501,10 @@ def validate(cfg: Config, model_only: bool = False) -> None:
     raise UserError(f"config key optim.clip_norm: {cfg.optim.clip_norm} must be ≥ 0 (0 turns clipping off)")
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
+  if cfg.eval.source == "holdout" and "synthetic" in ((cfg.data.source,) if isinstance(cfg.data.source, str)
+                                                       else cfg.data.source):
+    raise UserError("config key eval.source: holdout needs documents, data.source=synthetic has none; use a "
+                    "prepared folder for data.source or eval.source")
   check_mesh_fit(cfg, cfg.mesh.sizes())
 
 

@@ -200,6 +200,9 @@ class Console:
       parts.append(f"SKIPPED ({why})")
     if "loss_scale" in record:
       parts.append(f"loss scale {record['loss_scale']:g}")
+    if "eval_loss" in record:
+      mtp = f" (mtp {record['eval_mtp_loss']:.4f})" if "eval_mtp_loss" in record else ""
+      parts.append(f"eval loss {record['eval_loss']:.4f}{mtp} ppl {record['eval_perplexity']:.3g}")
     parts.append(f"eta {_hms(eta)}")
     self.console.print(" | ".join(parts), markup=False)
     if self.progress is not None:
@@ -243,7 +246,8 @@ PROMETHEUS_GAUGES = {
     "moe_load_max_over_mean": "jaxseek_moe_load_max_over_mean",
     "moe_load_max_over_mean_worst": "jaxseek_moe_load_max_over_mean_worst",
     "moe_dropped_fraction": "jaxseek_moe_dropped_fraction", "mtp_loss": "jaxseek_mtp_loss",
-    "loss_scale": "jaxseek_loss_scale",
+    "loss_scale": "jaxseek_loss_scale", "eval_loss": "jaxseek_eval_loss",
+    "eval_perplexity": "jaxseek_eval_perplexity", "eval_mtp_loss": "jaxseek_eval_mtp_loss",
 }
 
 
@@ -362,7 +366,8 @@ class StepReporter:
                        f"parameters were not updated and checkpoints on disk hold finite values; lower optim.lr, "
                        f"or set train.on_nonfinite=skip to skip such steps")
     done = time.perf_counter()
-    step_time, self.last_done = done - self.last_done, done
+    # the time of an evaluation after the step is not the step's
+    step_time, self.last_done = done - self.last_done - extra.get("eval_time_s", 0.0), done
     self.step_times.append(step_time)
     self.losses.append(values["loss"])
     cfg = self.cfg

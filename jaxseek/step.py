@@ -416,3 +416,36 @@ def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callab
 
   return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.pipeline.batch_shardings(mesh)),
                  out_shardings=(trainer.state_shardings, None), donate_argnums=0)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The forward and loss of training on `batch`, without gradients: the summed cross entropy and its token
+  count ("ce_sum", "tokens"), and per multi-token-prediction depth ("mtp_sums", "mtp_tokens") where the model
+  has it. Nothing is updated (no optimiser, no correction-bias step)."""
+  depth = cfg.model.num_nextn_predict_layers
+  batch = step_batch(cfg, batch)
+  mtp_inputs = [batch[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
+  mtp_valid = [batch[f"mtp_mask_{k}"] for k in range(1, depth + 1)]
+  h_BTD, aux = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), mtp_inputs,
+                             mtp_valid, logits=False)
+  head_DV = model.head()
+  ce = lambda h, targets, mask: loss_lib.cross_entropy_sum(h, head_DV, targets, mask, cfg.train.loss_impl)
+  out = {"ce_sum": ce(h_BTD, batch["targets"], batch["loss_mask"]), "tokens": batch["loss_mask"].sum()}
+  if depth:
+    out["mtp_sums"] = jnp.stack([ce(aux["mtp_hidden"][k - 1], batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])
+                                 for k in range(1, depth + 1)])
+    out["mtp_tokens"] = jnp.stack([batch[f"mtp_mask_{k}"].sum() for k in range(1, depth + 1)])
+  return out
+
+
+def compile_eval(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
+  """(params, biases, batch) → eval_sums, jitted once with the train state's and the batch's shardings."""
+  def evaluate(params, biases, batch):
+    with rules.sequence_parallel(cfg.mesh.sequence_parallel):
+      return eval_sums(nnx.merge(trainer.graphdef, params, biases), cfg, batch)
+
+  shardings = trainer.state_shardings
+  return jax.jit(evaluate, in_shardings=(shardings.params, shardings.biases, input_lib.pipeline.batch_shardings(mesh)))

@@ -19,6 +19,7 @@ from jaxseek import input as input_lib
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek import metrics as metrics_lib
 from jaxseek import faults
+from jaxseek.evaluate import Evaluator
 from jaxseek.errors import RunStopped, UserError, cli
 from jaxseek.explore import suggest as explore_suggest
 from jaxseek.sharding import mesh as mesh_lib
@@ -86,12 +87,14 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
   if mesh.shape["pipeline"] > 1:
     _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"]))
+  evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")
   try:
     with jax.set_mesh(mesh):
-      state, stopped = _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler)
+      state, stopped = _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler,
+                             evaluator)
   finally:
     profiler.close()
     watchdog.stop()
@@ -102,8 +105,9 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   return _summary(cfg, reporter, start, stopped, run_dir)
 
 
-def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler):
-  """Steps start+1 … train.steps; saves on schedule, at the end and on pre-emption. Returns (state, stopped)."""
+def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler, evaluator):
+  """Steps start+1 … train.steps; evaluates and saves on schedule and at the end, saves on pre-emption. Returns
+  (state, stopped)."""
   pending = None
   for step in range(start + 1, cfg.train.steps + 1):
     data_start = time.perf_counter()
@@ -120,6 +124,8 @@ def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watch
     if last:
       watchdog.stop()  # the last save may take longer than a step (and waits for every process); not a hang
     extra = {}
+    if evaluator is not None and (step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
+      extra.update(evaluator(state))  # goes into this step's record; never stops the run (train.on_nonfinite)
     if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
       extra["ckpt_block_s"] = ckpt.save(step, state, batches.iterator)
     pending = (step, metrics, data_wait, extra)

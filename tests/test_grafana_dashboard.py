@@ -17,7 +17,8 @@ REQUIRED = {
     "jaxseek_checkpoint_block_seconds", "jaxseek_device_memory_bytes", "jaxseek_moe_load_max_over_mean",
     "jaxseek_moe_load_max_over_mean_worst", "jaxseek_moe_dropped_fraction", "jaxseek_skipped_steps_total",
 }
-OPTIONAL = {"jaxseek_host_memory_bytes", "jaxseek_mtp_loss"}  # also exported; the dashboard may show them
+OPTIONAL = {"jaxseek_host_memory_bytes", "jaxseek_mtp_loss", "jaxseek_eval_loss", "jaxseek_eval_perplexity",
+            "jaxseek_eval_mtp_loss"}  # also exported; the dashboard may show them
 ROWS = ["Progress", "Throughput", "Memory & I/O", "MoE balance"]
 SELECTOR = re.compile(r"\b(jaxseek_[a-z0-9_]+)\b(\{[^}]*\})?")
 RUN_FILTER = 'run=~"$run"'

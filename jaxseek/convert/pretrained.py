@@ -32,7 +32,8 @@ ITEMS = {"params": nnx.Param, "biases": RouterBias}
 
 
 def load_pretrained(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32") -> Transformer:
-  """The model of a Hugging Face folder (config.json + safetensors) or a jaxseek checkpoint folder, weights loaded.
+  """The model of a Hugging Face folder (config.json + safetensors), a jaxseek checkpoint folder (a run directory
+or a converted checkpoint: its latest step) or one step of it (<dir>/checkpoints/<step>), weights loaded.
 
   `model(tokens_BT)` returns float32 logits [B, T, V]. Under `jax.set_mesh(mesh)` every weight is placed
   directly on its shards (the sharding rules of jaxseek.sharding.rules); otherwise on the default device.
@@ -42,8 +43,16 @@ def load_pretrained(path: str | Path, *, param_dtype: str = "float32", dtype: st
     return from_hf(hf.Folder(path), param_dtype=param_dtype, dtype=dtype)
   if (path / "config.yaml").is_file():
     return from_checkpoint(path, param_dtype=param_dtype, dtype=dtype)[0]
+  if step_folder(path):
+    return from_checkpoint(path.parent.parent, param_dtype=param_dtype, dtype=dtype, step=int(path.name))[0]
   raise UserError(f"{path} has no config.json (Hugging Face model folder) or config.yaml (jaxseek checkpoint "
-                  "folder); pass the folder that holds one")
+                  "folder) and is no checkpoint step (<dir>/checkpoints/<step>); pass the folder that holds one")
+
+
+def step_folder(path: str | Path) -> bool:
+  """Whether `path` is one step of a jaxseek checkpoint folder: <dir>/checkpoints/<step> beside <dir>/config.yaml."""
+  path = Path(path)
+  return path.name.isdigit() and path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file()
 
 
 def hf_model_config(folder: hf.Folder) -> ModelConfig:
@@ -131,9 +140,10 @@ def _not_ocdbt_merge(record: logging.LogRecord) -> bool:
   return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
-def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
-                    dtype: str = "float32") -> tuple[Transformer, config_lib.Config, int]:
-  """The model of a jaxseek checkpoint folder at its latest step, restored straight onto the active mesh."""
+def from_checkpoint(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32",
+                    step: int | None = None) -> tuple[Transformer, config_lib.Config, int]:
+  """The model of a jaxseek checkpoint folder at `step` (None: its latest), restored straight onto the active
+  mesh."""
   import orbax.checkpoint as ocp
 
   path = Path(path).absolute()
@@ -145,9 +155,13 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32",
       lambda: model_lib.build(cfg.model, param_dtype=param_dtype, dtype=dtype)))
   shardings = _shardings(state, mesh)
   with ocp.CheckpointManager(path / "checkpoints") as manager:
-    step = manager.latest_step()
     if step is None:
-      raise UserError(f"{path / 'checkpoints'} holds no finished checkpoint step")
+      step = manager.latest_step()
+      if step is None:
+        raise UserError(f"{path / 'checkpoints'} holds no finished checkpoint step")
+    elif step not in manager.all_steps():
+      raise UserError(f"{path / 'checkpoints' / str(step)} is not a finished checkpoint step; finished steps: "
+                      f"{sorted(manager.all_steps()) or 'none'}")
     variables = dict(nnx.to_flat_state(state))
     abstract = {}
     for name, kind in ITEMS.items():

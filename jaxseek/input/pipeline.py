@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxseek.config import Config
 from jaxseek.errors import UserError
-from jaxseek.input import shards
+from jaxseek.input import holdout, shards
 from jaxseek.input.sources import DocumentChunks, Documents, SyntheticSource, python_stdlib_documents
 from jaxseek.input.state import PipelineIterator
 from jaxseek.sharding.rules import activation_spec
@@ -44,8 +44,9 @@ def source_names(cfg: Config) -> tuple[str, ...]:
   return (cfg.data.source,) if isinstance(cfg.data.source, str) else tuple(cfg.data.source)
 
 
-def open_sources(cfg: Config) -> list[Documents]:
-  """The documents of every entry of data.source (empty for synthetic); checks vocabularies and checksums."""
+def open_sources(cfg: Config, part: str = "train") -> list[Documents]:
+  """The documents of every entry of data.source (empty for synthetic); checks vocabularies and checksums. With
+  eval.source=holdout, `part` "train" leaves the held-out documents out, "eval" keeps only those."""
   docs = []
   for name in source_names(cfg):
     if name == "synthetic":
@@ -57,7 +58,29 @@ def open_sources(cfg: Config) -> list[Documents]:
       docs.append(python_stdlib_documents(cfg.data.max_bytes))
     else:
       docs.append(shards.open_folder(name, cfg.model.vocab_size, cfg.data.verify_checksums))
+  if cfg.eval.source == "holdout":
+    docs = [holdout.split(d, cfg.eval.holdout, part) for d in docs]
   return docs
+
+
+def eval_config(cfg: Config) -> Config:
+  """The config whose data.source is what evaluation reads, read without prefetching."""
+  data = cfg.data if cfg.eval.source == "holdout" else dataclasses.replace(cfg.data, source=cfg.eval.source,
+                                                                           weights=())
+  return dataclasses.replace(cfg, data=dataclasses.replace(data, prefetch=0, worker_count=0))
+
+
+def eval_batches(cfg: Config, mesh: Mesh) -> list[dict[str, jax.Array]]:
+  """The fixed evaluation set: the first ⌈eval.tokens / (B·T)⌉ global batches of eval.source, packed as training
+  packs (data.seed, from stream position 0), made once as global arrays on the mesh."""
+  ecfg = eval_config(cfg)
+  B, T = cfg.train.batch_size, cfg.train.seq_len
+  shardings = batch_shardings(mesh)
+  layout = data_layout(shardings["inputs"], (B, T))
+  docs = open_sources(ecfg, "eval")
+  it = iter(make_dataset(ecfg, layout.shard_index, layout.shard_count, rows=layout.rows, docs=docs))
+  local = [next(it) for _ in range(-(-cfg.eval.tokens // (B * T)))]
+  return [{k: jax.make_array_from_process_local_data(shardings[k], b[k], (B, T)) for k in BATCH_KEYS} for b in local]
 
 
 def source_seed(seed: int, source: int) -> int:

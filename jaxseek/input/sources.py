@@ -40,6 +40,7 @@ class Documents:
   vocab_size: int
   eos_id: int | None
   fingerprint: str
+  keep: np.ndarray | None = None  # bool per document (over all shards): only these are read (input/holdout.py)
 
   @property
   def num_documents(self) -> int:
@@ -54,6 +55,8 @@ class DocumentChunks:
   def __init__(self, docs: Documents, seq_len: int):
     self.docs, self.seq_len = docs, seq_len
     pairs = np.concatenate([np.maximum(np.diff(np.asarray(o)) - 1, 0) for o in docs.offsets])
+    if docs.keep is not None:  # a document left out has no chunks
+      pairs = np.where(docs.keep, pairs, 0)
     self.chunk_end = np.cumsum(-(-pairs // seq_len))  # chunks of documents [0, d], over all shards
     self.doc_base = np.cumsum([0] + [len(o) - 1 for o in docs.offsets])  # first document of each shard
     if len(self) == 0:

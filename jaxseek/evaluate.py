@@ -1,0 +1,152 @@
+"""Held-out loss: the summary and evaluator that training uses (eval.every), and the command line.
+
+python -m jaxseek.evaluate --checkpoint PATH --data FOLDER [--tokens N] [--json FILE] [section.key=value ...]
+
+PATH: a run directory, one of its steps (RUN/checkpoints/40), a converted jaxseek checkpoint or a Hugging Face
+folder. The batches are the ones training evaluates on (eval.source = FOLDER): the first ⌈N / (B·T)⌉ packed
+batches of train.batch_size × train.seq_len (the run's, or the overrides'), so the loss equals the run's eval_loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxseek import config as config_lib
+from jaxseek import input as input_lib
+from jaxseek import step as step_lib
+from jaxseek.errors import UserError, cli
+from jaxseek.sharding import mesh as mesh_lib
+from jaxseek.sharding import rules
+
+
+def summarize(sums: list[dict[str, jax.Array]]) -> dict[str, float]:
+  """eval_loss = Σ CE / Σ tokens over all batches (each token weighs the same), eval_perplexity = exp(eval_loss),
+  eval_mtp_loss = the mean over depths of each depth's Σ CE / Σ tokens; eval_tokens = Σ tokens."""
+  host = jax.device_get(sums)
+  total = lambda key: np.sum([np.asarray(s[key], np.float64) for s in host], axis=0)
+  tokens = float(total("tokens"))
+  loss = float(total("ce_sum")) / max(tokens, 1.0)
+  with np.errstate(over="ignore"):
+    perplexity = float(np.exp(np.float64(loss)))
+  out = {"eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens}
+  if "mtp_sums" in host[0]:
+    out["eval_mtp_loss"] = float(np.mean(total("mtp_sums") / np.maximum(total("mtp_tokens"), 1.0)))
+  return out
+
+
+class Evaluator:
+  """Training's evaluation: the fixed batches (made once) and the eval step (compiled once, on first use)."""
+
+  def __init__(self, cfg: config_lib.Config, mesh: jax.sharding.Mesh, trainer: step_lib.Trainer):
+    self.batches = input_lib.pipeline.eval_batches(cfg, mesh)
+    self.step = step_lib.compile_eval(trainer, cfg, mesh)
+
+  def __call__(self, state: step_lib.TrainState) -> dict[str, float]:
+    """The eval metrics of `state` (waits for them); eval_time_s is the time it took."""
+    start = time.perf_counter()
+    out = summarize([self.step(state.params, state.biases, batch) for batch in self.batches])
+    return {**out, "eval_time_s": time.perf_counter() - start}
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def base_config(path: Path) -> config_lib.Config:
+  """The config a checkpoint was trained with (config.yaml), or the model of a Hugging Face folder."""
+  from jaxseek.convert import hf
+  from jaxseek.convert.pretrained import hf_model_config, step_folder
+
+  if not path.exists():
+    raise UserError(f"--checkpoint {path} does not exist; pass a run directory, a checkpoint step, a converted "
+                    f"checkpoint or a Hugging Face folder")
+  if (path / "config.json").is_file():
+    return config_lib.Config(model=hf_model_config(hf.Folder(path)))
+  if (path / "config.yaml").is_file():
+    return config_lib.load(path / "config.yaml")
+  if step_folder(path):
+    return config_lib.load(path.parent.parent / "config.yaml")
+  raise UserError(f"--checkpoint {path} has no config.json (Hugging Face folder) or config.yaml (jaxseek "
+                  f"checkpoint) and is no checkpoint step (RUN/checkpoints/<step>); pass the folder that holds one")
+
+
+def eval_run_config(base: config_lib.Config, data: str, tokens: int | None, overrides: list[str]) -> config_lib.Config:
+  """`base` with the overrides, evaluating on `data` (eval.source) for `tokens` (default eval.tokens)."""
+  raw = config_lib.to_dict(base)
+  for item in overrides:
+    section, field, value = config_lib.parse_override(item, "mesh.tensor=2")
+    if section == "model":
+      raise UserError(f"override {item!r}: the model comes from the checkpoint; override other sections only")
+    if section not in raw:
+      raise UserError(f"unknown config section {section!r}; valid sections: {', '.join(raw)}")
+    raw[section][field] = value
+  raw["eval"].update(source=data, holdout=0.0, **({"tokens": tokens} if tokens is not None else {}))
+  cfg = config_lib.from_dict(raw)
+  config_lib.validate(cfg)
+  if cfg.mesh.pipeline != 1:
+    raise UserError(f"config key mesh.pipeline: {cfg.mesh.pipeline}; evaluation runs without a pipeline, set "
+                    f"mesh.pipeline=1")
+  return cfg
+
+
+def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
+  """The loss of the checkpoint at `path` on cfg.eval.source's evaluation batches, on cfg's mesh."""
+  from jaxseek.convert.pretrained import load_pretrained
+
+  mesh = mesh_lib.make_mesh(cfg)
+  batches = input_lib.pipeline.eval_batches(cfg, mesh)  # data errors (vocabulary, folder) before the weights load
+  with jax.set_mesh(mesh):
+    model = load_pretrained(path, param_dtype=cfg.train.param_dtype, dtype=cfg.train.compute_dtype)
+    graphdef, weights = nnx.split(model)
+
+    def forward(weights, batch):
+      with rules.sequence_parallel(cfg.mesh.sequence_parallel):
+        return step_lib.eval_sums(nnx.merge(graphdef, weights), cfg, batch)
+
+    compiled = jax.jit(forward).lower(weights, batches[0]).compile()
+    start = time.perf_counter()
+    out = summarize([compiled(weights, batch) for batch in batches])
+  seconds = time.perf_counter() - start
+  return {**out, "tokens_per_sec": len(batches) * cfg.train.batch_size * cfg.train.seq_len / seconds,
+          "seconds": seconds}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m jaxseek.evaluate", description=__doc__.splitlines()[0])
+  parser.add_argument("--checkpoint", required=True, help="run directory, RUN/checkpoints/STEP, converted "
+                      "checkpoint or Hugging Face folder")
+  parser.add_argument("--data", required=True, help="a folder written by scripts/prepare_data.py")
+  parser.add_argument("--tokens", type=int, help="token positions to evaluate (default: eval.tokens)")
+  parser.add_argument("--json", help="also write the results to this JSON file")
+  parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.tensor=2 train.batch_size=8")
+  return parser.parse_args(argv)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  path = Path(args.checkpoint)
+  if args.tokens is not None and args.tokens < 1:
+    raise UserError(f"--tokens {args.tokens} must be ≥ 1")
+  input_lib.shards.read_manifest(Path(args.data))  # a prepared folder, before any device starts
+  cfg = eval_run_config(base_config(path), args.data, args.tokens, args.overrides)
+  mesh_lib.simulate_cpu_devices(cfg.mesh.num_cpu_devices)
+  out = evaluate(path, cfg)
+  if jax.process_index() == 0:
+    mtp = f" | mtp loss {out['eval_mtp_loss']:.4f}" if "eval_mtp_loss" in out else ""
+    print(f"eval {path} on {args.data}: loss {out['eval_loss']:.4f} | perplexity {out['eval_perplexity']:.3f}{mtp}"
+          f" | {out['eval_tokens']:,.0f} tokens | {out['tokens_per_sec']:,.0f} tokens/s", flush=True)
+    if args.json:
+      Path(args.json).write_text(json.dumps({"checkpoint": str(path), "data": args.data, **out}, indent=2) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

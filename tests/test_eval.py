@@ -1,0 +1,134 @@
+"""Evaluation: the held-out split, eval during training, python -m jaxseek.evaluate."""
+
+import json
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import load_config
+
+from jaxseek import step as step_lib
+from jaxseek.errors import UserError
+from jaxseek.evaluate import main as evaluate_main
+from jaxseek.input import holdout, pipeline, prepare, shards
+from jaxseek.metrics import read_jsonl
+from jaxseek.train import run
+
+STEPS = 4
+RUN = ("model.num_nextn_predict_layers=1", f"train.steps={STEPS}", "checkpoint.every=2", "metrics.every=1",
+       "data.prefetch=0")
+
+
+def _docs(folder, count, letter, seed=0):
+  """`count` distinct byte-level documents "<letter><3 digits><letters>" prepared into `folder` (3 shards)."""
+  rng = np.random.default_rng(seed)
+  texts = [f"{letter}{i:03d}" + letter * int(rng.integers(1, 26)) for i in range(count)]
+  folder.parent.mkdir(parents=True, exist_ok=True)
+  src = folder.parent / f"{folder.name}.jsonl"
+  src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+  prepare.prepare([str(src)], "byte", folder, shards=3, progress=False)
+  return folder
+
+
+def _ids(batches, letter):
+  """Document ids whose first chunk some row of `batches` holds (the ids are in every document's first bytes)."""
+  ids = set()
+  for batch in batches:
+    for inputs, seg in zip(np.asarray(batch["inputs"]), np.asarray(batch["segment_ids"])):
+      for s in np.unique(seg[seg > 0]):
+        ids.update(int(m) for m in re.findall(rf"{letter}(\d{{3}})", bytes(inputs[seg == s].astype(np.uint8)).decode()))
+  return ids
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  root = tmp_path_factory.mktemp("data")
+  return {"train": _docs(root / "train", 120, "a"), "eval": _docs(root / "eval", 60, "e", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def eval_run(data, tmp_path_factory):
+  run_dir = tmp_path_factory.mktemp("with-eval")
+  cfg = load_config("tiny-v3", *RUN, f"data.source={data['train']}", f"eval.source={data['eval']}", "eval.every=2",
+                    "eval.tokens=800", f"train.run_dir={run_dir}")
+  run(cfg)
+  return run_dir
+
+
+def test_holdout_is_disjoint_from_training_and_deterministic(tmp_path):
+  folder = _docs(tmp_path / "corpus", 200, "a")
+  cfg = load_config("tiny-v3", f"data.source={folder}", "eval.source=holdout", "eval.holdout=0.2",
+                    "data.prefetch=0", "eval.tokens=4000")
+  docs = shards.open_folder(folder, 264)  # folder order of documents (prepare spreads them over the shards)
+  text_id = [int(bytes(t[o[d] + 1:o[d] + 4].astype(np.uint8))) for t, o in zip(docs.tokens, docs.offsets)
+             for d in range(len(o) - 1)]
+  out = {text_id[d] for d in np.flatnonzero(holdout.held_out(200, 0.2))}
+  assert 20 <= len(out) <= 60 and np.array_equal(holdout.held_out(200, 0.2), holdout.held_out(200, 0.2))
+  assert np.array_equal(holdout.held_out(200, 0.2), holdout.held_out(500, 0.2)[:200])  # by document, not by count
+  it = iter(pipeline.make_dataset(cfg))
+  trained = _ids([next(it) for _ in range(30)], "a")  # about three epochs of the training documents
+  assert trained == set(range(200)) - out  # every training document, no held-out one
+  ecfg = pipeline.eval_config(cfg)
+  it = iter(pipeline.make_dataset(ecfg, docs=pipeline.open_sources(ecfg, "eval")))
+  assert _ids([next(it) for _ in range(3)], "a") == out
+
+
+def test_eval_loss_equals_evaluate_on_the_checkpoint(eval_run, data, tmp_path, capsys):
+  records = {r["step"]: r for r in read_jsonl(eval_run / "metrics.jsonl")}
+  assert [s for s, r in records.items() if "eval_loss" in r] == [2, 4]
+  for step, path in ((4, eval_run), (2, eval_run / "checkpoints" / "2")):
+    out = tmp_path / f"{step}.json"
+    assert evaluate_main(["--checkpoint", str(path), "--data", str(data["eval"]), "--tokens", "800",
+                          "--json", str(out), "mesh.tensor=2"]) == 0
+    result = json.loads(out.read_text())
+    for key in ("eval_loss", "eval_mtp_loss"):
+      np.testing.assert_allclose(result[key], records[step][key], rtol=1e-5)
+    np.testing.assert_allclose(result["eval_perplexity"], np.exp(records[step]["eval_loss"]), rtol=1e-5)
+    assert result["tokens_per_sec"] > 0
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert line.startswith(f"eval {eval_run / 'checkpoints' / '2'}") and "perplexity" in line and "tokens/s" in line
+
+
+def test_eval_does_not_change_training(eval_run, data, tmp_path):
+  cfg = load_config("tiny-v3", *RUN, f"data.source={data['train']}", f"train.run_dir={tmp_path}")
+  run(cfg)
+  plain = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+  assert plain == [r["loss"] for r in read_jsonl(eval_run / "metrics.jsonl")]
+
+
+def test_nonfinite_eval_does_not_stop_training(data, tmp_path, monkeypatch):
+  real = step_lib.eval_sums
+  monkeypatch.setattr(step_lib, "eval_sums", lambda *a: {**real(*a), "ce_sum": jnp.float32(jnp.nan)})
+  cfg = load_config("tiny-v3", "train.steps=2", "data.prefetch=0", f"data.source={data['train']}",
+                    f"eval.source={data['eval']}", "eval.every=1", "eval.tokens=10", f"train.run_dir={tmp_path}")
+  summary = run(cfg)  # train.on_nonfinite=stop
+  records = read_jsonl(tmp_path / "metrics.jsonl")
+  assert summary["steps"] == 2 and [r["step"] for r in records] == [1, 2]
+  assert all(np.isnan(r["eval_loss"]) and np.isfinite(r["loss"]) for r in records)
+
+
+def test_evaluate_errors_are_one_line(eval_run, data, tmp_path, capsys):
+  (tmp_path / "empty").mkdir()
+  big = _docs(tmp_path / "big", 5, "b")
+  manifest = json.loads((big / "manifest.json").read_text())
+  (big / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 1000}))
+  cases = {"does not exist": (tmp_path / "missing", data["eval"]),
+           "not (completely) prepared": (eval_run, tmp_path / "empty"),
+           "1000-token vocabulary": (eval_run, big),
+           "no config.json": (tmp_path / "empty", data["eval"])}
+  for expected, (checkpoint, folder) in cases.items():
+    assert evaluate_main(["--checkpoint", str(checkpoint), "--data", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("eval.holdout=0.1",), "needs eval.source=holdout"),
+    (("eval.source=holdout",), "eval.holdout: 0.0 must be between 0 and 1"),
+    (("eval.source=holdout", "eval.holdout=0.1"), "data.source=synthetic has none"),
+    (("eval.tokens=0",), "eval.tokens: 0 must be ≥ 1"),
+])
+def test_eval_config_errors(overrides, message):
+  with pytest.raises(UserError, match=re.escape(message)):
+    load_config("tiny-v3", *overrides)
