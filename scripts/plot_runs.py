@@ -1,4 +1,5 @@
-"""Plot loss, throughput, MFU and MoE balance of one or more runs from their metrics.jsonl into one PNG.
+"""Plot loss (and eval_loss), throughput, MFU and MoE balance of one or more runs from their metrics.jsonl into one
+PNG.
 
   python scripts/plot_runs.py RUN_DIR [RUN_DIR ...] [--out FILE.png] [--smooth N]
 
@@ -125,6 +126,9 @@ def _draw_run(axes, label: str, metrics: dict[str, list], color: str, smooth: in
     ax_loss.plot(steps, moving_average(loss, smooth), color=color, linewidth=1.8, label=label)
   else:
     _line(ax_loss, steps, loss, color=color, linewidth=1.5, label=label)
+  xs, ys = series(metrics, "eval_loss")  # held-out loss (eval.every): dashed, a point per evaluation
+  if xs:
+    ax_loss.plot(xs, ys, color=color, linewidth=1.5, linestyle="--", marker="s", markersize=4, label=f"{label} (eval)")
   for ax, key, scale in ((ax_tps, "tokens_per_sec", 1.0), (ax_mfu, "mfu", 100.0)):
     xs, ys = series(metrics, key, scale)
     if xs:

@@ -144,3 +144,16 @@ def test_cli_exits_2_without_traceback(tmp_path):
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 2 and "Traceback" not in out.stderr
   assert out.stderr.strip().count("\n") == 0 and "does not exist" in out.stderr
+
+
+def test_eval_loss_is_a_dashed_curve_on_the_loss_panel(tmp_path):
+  from matplotlib.figure import Figure
+
+  run = write_run(tmp_path / "eval-run", [record(s, 6.0 - s, **({"eval_loss": 7.0 - s} if s % 2 == 0 else {}))
+                                         for s in range(1, 6)])
+  axes = Figure().subplots(2, 2).flatten()
+  plot_runs._draw_run(axes, "eval-run", plot_runs.load_metrics(run), "C0", 1, {})
+  lines = {line.get_label(): line for line in axes[0].get_lines()}
+  assert list(lines["eval-run (eval)"].get_xdata()) == [2, 4]
+  assert list(lines["eval-run (eval)"].get_ydata()) == [5.0, 3.0] and lines["eval-run (eval)"].get_linestyle() == "--"
+  assert list(lines["eval-run"].get_xdata()) == [1, 2, 3, 4, 5]
