@@ -108,7 +108,7 @@ def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
 
     def forward(weights, batch):
       with rules.sequence_parallel(cfg.mesh.sequence_parallel):
-        return step_lib.eval_sums(nnx.merge(graphdef, weights), cfg, batch)
+        return step_lib.eval_sums_accumulated(lambda: nnx.merge(graphdef, weights), cfg, batch)
 
     compiled = jax.jit(forward).lower(weights, batches[0]).compile()
     start = time.perf_counter()

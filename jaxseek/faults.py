@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -87,6 +88,18 @@ class Watchdog:
   def beat(self, step: int) -> None:
     with self._lock:
       self.step, self.last = step, time.monotonic()
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Disarmed inside (an evaluation may take longer than a step); armed again after, if it was, from now."""
+    with self._lock:
+      armed, self.last = self.last is not None, None
+    try:
+      yield
+    finally:
+      with self._lock:
+        if armed:
+          self.last = time.monotonic()
 
   def _watch(self) -> None:
     while not self._stop.wait(min(self.timeout_s / 4, 5.0)):

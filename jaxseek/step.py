@@ -441,11 +441,30 @@ def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Ar
   return out
 
 
+def eval_sums_accumulated(model_fn: Callable[[], nnx.Module], cfg: config_lib.Config,
+                          batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`eval_sums` of `batch`, summed over `train.microbatches` by a scan as training accumulates (so evaluation
+  holds no more activations than a training microbatch); `model_fn` merges the model inside the scan."""
+  n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
+  if n_micro == 1:
+    return eval_sums(model_fn(), cfg, batch)
+
+  def accumulate(carry, mb):
+    mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
+    return jax.tree.map(jnp.add, carry, eval_sums(model_fn(), cfg, mb)), None
+
+  first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
+  init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda b: eval_sums(model_fn(), cfg, b),
+                                                                           first))
+  microbatches = jax.tree.map(lambda v: pipeline_lib.split_microbatches(v, n_micro), batch)
+  return jax.lax.scan(accumulate, init, microbatches)[0]
+
+
 def compile_eval(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
   """(params, biases, batch) → eval_sums, jitted once with the train state's and the batch's shardings."""
   def evaluate(params, biases, batch):
     with rules.sequence_parallel(cfg.mesh.sequence_parallel):
-      return eval_sums(nnx.merge(trainer.graphdef, params, biases), cfg, batch)
+      return eval_sums_accumulated(lambda: nnx.merge(trainer.graphdef, params, biases), cfg, batch)
 
   shardings = trainer.state_shardings
   return jax.jit(evaluate, in_shardings=(shardings.params, shardings.biases, input_lib.pipeline.batch_shardings(mesh)))

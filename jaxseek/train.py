@@ -125,7 +125,8 @@ def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watch
       watchdog.stop()  # the last save may take longer than a step (and waits for every process); not a hang
     extra = {}
     if evaluator is not None and (step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
-      extra.update(evaluator(state))  # goes into this step's record; never stops the run (train.on_nonfinite)
+      with watchdog.paused():  # into this step's record; a non-finite eval never stops the run (on_nonfinite)
+        extra.update(evaluator(state))
     if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
       extra["ckpt_block_s"] = ckpt.save(step, state, batches.iterator)
     pending = (step, metrics, data_wait, extra)

@@ -77,10 +77,12 @@ def test_holdout_is_disjoint_from_training_and_deterministic(tmp_path):
 def test_eval_loss_equals_evaluate_on_the_checkpoint(eval_run, data, tmp_path, capsys):
   records = {r["step"]: r for r in read_jsonl(eval_run / "metrics.jsonl")}
   assert [s for s, r in records.items() if "eval_loss" in r] == [2, 4]
-  for step, path in ((4, eval_run), (2, eval_run / "checkpoints" / "2")):
+  # another mesh; the eval batch in microbatches (as training accumulates)
+  for step, path, override in ((4, eval_run, "mesh.tensor=2"), (2, eval_run / "checkpoints" / "2",
+                                                                 "train.microbatches=2")):
     out = tmp_path / f"{step}.json"
     assert evaluate_main(["--checkpoint", str(path), "--data", str(data["eval"]), "--tokens", "800",
-                          "--json", str(out), "mesh.tensor=2"]) == 0
+                          "--json", str(out), override]) == 0
     result = json.loads(out.read_text())
     for key in ("eval_loss", "eval_mtp_loss"):
       np.testing.assert_allclose(result[key], records[step][key], rtol=1e-5)
