@@ -10,6 +10,7 @@ batches of train.batch_size × train.seq_len (the run's, or the overrides'), so 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -67,8 +68,11 @@ def base_config(path: Path) -> config_lib.Config:
   if not path.exists():
     raise UserError(f"--checkpoint {path} does not exist; pass a run directory, a checkpoint step, a converted "
                     f"checkpoint or a Hugging Face folder")
-  if (path / "config.json").is_file():
-    return config_lib.Config(model=hf_model_config(hf.Folder(path)))
+  if (path / "config.json").is_file():  # jaxseek's defaults, sequences no longer than the model's positions
+    model = hf_model_config(hf.Folder(path))
+    train = config_lib.TrainConfig()
+    return config_lib.Config(model=model, train=dataclasses.replace(
+        train, seq_len=min(train.seq_len, model.max_position_embeddings)))
   if (path / "config.yaml").is_file():
     return config_lib.load(path / "config.yaml")
   if step_folder(path):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import load_config
 
+from jaxseek import faults
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError
 from jaxseek.evaluate import main as evaluate_main
@@ -134,3 +135,43 @@ def test_evaluate_errors_are_one_line(eval_run, data, tmp_path, capsys):
 def test_eval_config_errors(overrides, message):
   with pytest.raises(UserError, match=re.escape(message)):
     load_config("tiny-v3", *overrides)
+
+
+def test_watchdog_is_disarmed_during_evaluation_only():
+  armed, idle = faults.Watchdog(None), faults.Watchdog(None)
+  armed.beat(3)
+  before = armed.last
+  with armed.paused(), idle.paused():
+    assert armed.last is None
+  assert armed.last is not None and armed.last >= before and armed.step == 3
+  assert idle.last is None  # never armed: stays so (compilation is not timed)
+
+
+def _token_folder(folder, vocab, count=40, seed=0):
+  """A prepared folder of `count` random documents (8-30 tokens below `vocab`), written with the shard writer."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(8, 31, count)
+  folder.mkdir(parents=True)
+  writer = shards.ShardWriter(folder, 0)
+  writer.add(rng.integers(0, vocab, lengths.sum()).astype(np.uint32), lengths)
+  entry = writer.close()
+  shards.write_manifest(folder, {"format": shards.FORMAT, "vocab_size": vocab, "eos_id": None, "shards": [entry]})
+  return folder
+
+
+def test_evaluate_hugging_face_folder_equals_its_conversion(tmp_path, capsys):
+  pytest.importorskip("transformers")
+  from test_parity import hf_model, save
+  from jaxseek.convert.pretrained import hf_to_checkpoint
+
+  source = save(hf_model("v3_q_lora_yarn"), tmp_path / "hf")
+  hf_to_checkpoint(source, tmp_path / "jax")
+  data = _token_folder(tmp_path / "tokens", 97)
+  results = []
+  for path in (source, tmp_path / "jax"):
+    out = tmp_path / f"{path.name}.json"
+    assert evaluate_main(["--checkpoint", str(path), "--data", str(data), "--tokens", "600", "--json", str(out),
+                          "train.batch_size=8", "train.seq_len=32"]) == 0
+    results.append(json.loads(out.read_text()))
+  np.testing.assert_allclose(results[0]["eval_loss"], results[1]["eval_loss"], rtol=1e-5)
+  assert 0 < results[0]["eval_loss"] < 2 * np.log(97)  # a random model on random tokens: about ln V
