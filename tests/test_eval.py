@@ -103,7 +103,7 @@ def test_eval_does_not_change_training(eval_run, data, tmp_path):
 def test_nonfinite_eval_does_not_stop_training(data, tmp_path, monkeypatch):
   real = step_lib.eval_sums
   monkeypatch.setattr(step_lib, "eval_sums", lambda *a: {**real(*a), "ce_sum": jnp.float32(jnp.nan)})
-  cfg = load_config("tiny-v3", "train.steps=2", "data.prefetch=0", f"data.source={data['train']}",
+  cfg = load_config("tiny-dense", "train.steps=2", "data.prefetch=0", f"data.source={data['train']}",
                     f"eval.source={data['eval']}", "eval.every=1", "eval.tokens=10", f"train.run_dir={tmp_path}")
   summary = run(cfg)  # train.on_nonfinite=stop
   records = read_jsonl(tmp_path / "metrics.jsonl")
