@@ -175,3 +175,20 @@ def test_evaluate_hugging_face_folder_equals_its_conversion(tmp_path, capsys):
     results.append(json.loads(out.read_text()))
   np.testing.assert_allclose(results[0]["eval_loss"], results[1]["eval_loss"], rtol=1e-5)
   assert 0 < results[0]["eval_loss"] < 2 * np.log(97)  # a random model on random tokens: about ln V
+
+
+def test_eval_metrics_reach_the_console_and_prometheus(capsys):
+  from jaxseek import metrics
+
+  record = {"step": 2, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "eval_loss": 2.0, "eval_perplexity": float(np.exp(2.0)),
+            "eval_mtp_loss": 2.5}
+  metrics.Console(10).write(2, record)
+  assert "eval loss 2.0000 (mtp 2.5000) ppl 7.39" in capsys.readouterr().out
+  prom = metrics.Prometheus(0, "run-a")
+  try:
+    prom.write(2, record)
+    sample = lambda name: prom.registry.get_sample_value(name, {"run": "run-a"})
+    assert (sample("jaxseek_eval_loss"), sample("jaxseek_eval_mtp_loss")) == (2.0, 2.5)
+    assert sample("jaxseek_eval_perplexity") == pytest.approx(np.exp(2.0))
+  finally:
+    prom.close()

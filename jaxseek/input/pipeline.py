@@ -64,9 +64,12 @@ def open_sources(cfg: Config, part: str = "train") -> list[Documents]:
 
 
 def eval_config(cfg: Config) -> Config:
-  """The config whose data.source is what evaluation reads, read without prefetching."""
-  data = cfg.data if cfg.eval.source == "holdout" else dataclasses.replace(cfg.data, source=cfg.eval.source,
-                                                                           weights=())
+  """The config whose data.source is what evaluation reads, read without prefetching (a held-out share without
+  hashing the shards again: training's pipeline checks the same files)."""
+  if cfg.eval.source == "holdout":
+    data = dataclasses.replace(cfg.data, verify_checksums=False)
+  else:
+    data = dataclasses.replace(cfg.data, source=cfg.eval.source, weights=())
   return dataclasses.replace(cfg, data=dataclasses.replace(data, prefetch=0, worker_count=0))
 
 
