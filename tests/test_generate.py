@@ -164,3 +164,48 @@ def test_parallel_generation_gives_single_device_tokens(name, axis, tmp_path):
     sharded = load_pretrained(tmp_path / "ckpt")
     assert not sharded.embed.table_VD[...].sharding.is_fully_replicated or axis == "expert"
     assert gen.generate(sharded, prompts, 12) == single
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+@pytest.fixture(scope="module")
+def byte_checkpoint(tmp_path_factory):
+  """A byte-level tiny V3 (vocab 256), untrained, as a jaxseek checkpoint folder."""
+  from jaxseek.convert.pretrained import save_checkpoint
+
+  model, cfg = tiny("tiny-v3", "model.vocab_size=256")
+  return save_checkpoint(model, cfg, tmp_path_factory.mktemp("gen") / "ckpt")
+
+
+def test_cli_generates_one_line_per_prompt(byte_checkpoint, tmp_path):
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("def main():\nimport os\n\n")
+  result = subprocess.run([sys.executable, "-m", "jaxseek.generate", "--checkpoint", str(byte_checkpoint),
+                           "--tokenizer", "byte", "--prompts", str(prompts), "--max-new-tokens", "10"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert len(result.stdout.splitlines()) == 2
+  # MLA, float32: (kv_lora_rank 20 + qk_rope_head_dim 8) × 4 bytes; 11 prompt + 10 new slots
+  assert f"KV cache: 112 bytes per token per layer × 3 layers × 2 rows × 21 slots = {112 * 3 * 2 * 21} bytes" \
+      in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--checkpoint", "/nonexistent/folder"], "--checkpoint /nonexistent/folder: no such folder"),
+    (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value"),
+    (["--temperature", "-1"], "--temperature -1.0 must be ≥ 0"),
+    (["mesh.tensor=3"], "mesh"),
+    (["--prompts", "EMPTY"], "holds no prompt"),
+])
+def test_cli_bad_input_exits_2_with_one_line(byte_checkpoint, tmp_path, capsys, args, message):
+  empty = tmp_path / "empty.txt"
+  empty.write_text("\n\n")
+  argv = ["--checkpoint", str(byte_checkpoint), "--tokenizer", "byte"]
+  argv += ["--prompt", "x"] if "--prompts" not in args else []
+  argv += [str(empty) if a == "EMPTY" else a for a in args]
+  assert gen.main(argv) == 2
+  err = capsys.readouterr().err
+  assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
