@@ -8,6 +8,7 @@ sampling with optional top-k and top-p filtering. See docs/generate.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
@@ -21,8 +22,10 @@ from flax import nnx
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError, cli
 from jaxseek.model import decode
+from jaxseek.sharding import rules
 
 NEG_INF = -jnp.inf
+GENERATE_AXES = ("data", "fsdp", "expert", "tensor")  # pipeline and context parallel decoding are not built
 
 
 def top_k_filter(logits_BV: jax.Array, k: int) -> jax.Array:
@@ -101,10 +104,21 @@ def _decode(graphdef, state, cache, logits_BV, next_pos_B, key, *, steps, temper
   return out_BN, i
 
 
+def batch_shards() -> int:
+  """How many ways the active mesh splits the batch (1 without a mesh)."""
+  if not rules.has_mesh():
+    return 1
+  shape = jax.sharding.get_abstract_mesh().shape
+  return math.prod(shape[a] for a in rules.mesh_axes("batch"))
+
+
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, pad_id: int = 0,
              cache_dtype=jnp.float32, log=None) -> list[list[int]]:
-  """New tokens for each prompt (token ids), at most `max_new_tokens`, cut before the first EOS."""
+  """New tokens for each prompt (token ids), at most `max_new_tokens`, cut before the first EOS. On a mesh the
+  batch is padded with copies of the last prompt to a multiple of the batch shards (data × fsdp × expert)."""
+  count = len(prompts)
+  prompts = list(prompts) + [prompts[-1]] * (-count % batch_shards())
   tokens, mask, positions = left_pad(prompts, pad_id)
   B, T0 = tokens.shape
   cache = decode.init_cache(model, B, T0 + max_new_tokens, cache_dtype)
@@ -119,7 +133,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
   out_BN, n = _decode(graphdef, state, cache, logits_BV, jnp.asarray(mask.sum(1), jnp.int32), jax.random.key(seed),
                       steps=max_new_tokens, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                       eos_id=eos_id)
-  rows = np.asarray(out_BN)[:, :int(n)].tolist()
+  rows = np.asarray(out_BN)[:count, :int(n)].tolist()
   return [row[:row.index(eos_id)] if eos_id is not None and eos_id in row else row for row in rows]
 
 
@@ -170,24 +184,43 @@ def check_args(args) -> list[str]:
   return prompts
 
 
-def make_mesh(overrides: list[str]):
-  """A mesh over the first tensor × expert × … devices from `mesh.<axis>=N` overrides (unset axes 1); None
-  without overrides."""
+def checkpoint_model_config(path: str | Path) -> config_lib.ModelConfig:
+  """The ModelConfig of a Hugging Face folder or a jaxseek checkpoint / run folder, read before loading."""
+  from jaxseek.convert import hf
+  from jaxseek.convert.pretrained import hf_model_config
+
+  path = Path(path)
+  if (path / "config.json").is_file():
+    return hf_model_config(hf.Folder(path))
+  if (path / "config.yaml").is_file():
+    return config_lib.load(path / "config.yaml").model
+  raise UserError(f"{path} has no config.json (Hugging Face model folder) or config.yaml (jaxseek checkpoint "
+                  "folder); pass the folder that holds one")
+
+
+def make_mesh(overrides: list[str], model: config_lib.ModelConfig | None = None):
+  """A mesh over the first data × fsdp × expert × tensor devices from `mesh.<axis>=N` overrides (unset axes 1),
+  checked against the model's dimensions; None without overrides."""
   if not overrides:
     return None
-  raw: dict = {"mesh": {"data": 1}}
+  sizes: dict = {}
   for item in overrides:
     section, field, value = config_lib.parse_override(item, example="mesh.tensor=2")
-    if section != "mesh":
-      raise UserError(f"override {item!r}: only mesh.<axis>=N applies to generate, e.g. mesh.tensor=2")
-    raw["mesh"][field] = value
-  cfg = config_lib.from_dict(raw)
-  sizes = cfg.mesh.sizes()
-  if -1 in sizes.values():
-    raise UserError("mesh sizes for generate must be given (no -1), e.g. mesh.tensor=2")
-  n = math.prod(sizes.values())
+    if section != "mesh" or field not in GENERATE_AXES:
+      raise UserError(f"override {item!r}: generate takes mesh sizes mesh.<axis>=N for axis in "
+                      f"{', '.join(GENERATE_AXES)}, e.g. mesh.tensor=2")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise UserError(f"override {item!r}: the size must be a whole number ≥ 1")
+    sizes[field] = value
+  base = config_lib.Config() if model is None else config_lib.Config(model=model)
+  mesh_cfg = dataclasses.replace(base.mesh, data=1, **sizes)
+  shards = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.expert
+  cfg = dataclasses.replace(base, mesh=mesh_cfg, train=dataclasses.replace(base.train, batch_size=shards,
+                                                                          microbatches=1))
+  n = math.prod(mesh_cfg.sizes().values())
   if n > jax.device_count():
-    raise UserError(f"mesh {sizes} needs {n} devices but {jax.device_count()} are available")
+    raise UserError(f"mesh {' × '.join(f'{a}={v}' for a, v in sizes.items())} needs {n} devices but "
+                    f"{jax.device_count()} are available")
   from jaxseek.sharding import mesh as mesh_lib
 
   return mesh_lib.make_mesh(cfg, jax.devices()[:n])
@@ -217,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
   ids = [encode(p) for p in prompts]
   if any(not i for i in ids):
     raise UserError("a prompt encodes to no tokens; give each prompt some text")
-  mesh = make_mesh(args.overrides)
+  mesh = make_mesh(args.overrides, checkpoint_model_config(args.checkpoint) if args.overrides else None)
   with jax.set_mesh(mesh) if mesh is not None else _nothing():
     model = load_pretrained(args.checkpoint)
     vocab = model.embed.table_VD.shape[0]

@@ -152,14 +152,14 @@ def test_greedy_equals_transformers_generate(name, tmp_path):
 
 @pytest.mark.parametrize("name,mesh", [("tiny-v3", ("mesh.tensor=2", "mesh.expert=2")), ("tiny-dense", ("mesh.tensor=2",))])
 def test_parallel_generation_gives_single_device_tokens(name, mesh, tmp_path):
-  """Weights loaded under a mesh (tensor: heads, MLP and vocab split; expert: routed experts and the batch split)
-  generate the tokens of one device."""
+  """Weights loaded under a mesh (tensor: heads, MLP and vocab split; expert: routed experts and the batch split,
+  the batch padded to a multiple of 2) generate the tokens of one device."""
   from jaxseek import load_pretrained
   from jaxseek.convert.pretrained import save_checkpoint
 
   model, cfg = tiny(name)
   save_checkpoint(model, cfg, tmp_path / "ckpt")
-  prompts = [[5, 6, 7, 8, 9], [11, 12]]
+  prompts = [[5, 6, 7, 8, 9], [11, 12], [13]]  # 3 rows: padded to 4 for mesh.expert=2
   single = gen.generate(load_pretrained(tmp_path / "ckpt"), prompts, 12)
   with jax.set_mesh(gen.make_mesh(list(mesh))):
     sharded = load_pretrained(tmp_path / "ckpt")
@@ -199,7 +199,8 @@ def test_cli_generates_one_line_per_prompt(byte_checkpoint, tmp_path):
     (["--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
     (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value"),
     (["--temperature", "-1"], "--temperature -1.0 must be ≥ 0"),
-    (["mesh.tensor=3"], "mesh"),
+    (["mesh.tensor=3"], "is not divisible by mesh.tensor=3"),
+    (["mesh.pipeline=2"], "generate takes mesh sizes mesh.<axis>=N for axis in data, fsdp, expert, tensor"),
     (["--prompts", "EMPTY"], "holds no prompt"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(byte_checkpoint, tmp_path, capsys, args, message):
