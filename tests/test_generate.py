@@ -213,3 +213,32 @@ def test_cli_bad_input_exits_2_with_one_line(byte_checkpoint, tmp_path, capsys, 
   err = capsys.readouterr().err
   assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err, err
 
+
+
+def test_cli_with_tokenizer_json_and_hf_folder(tmp_path, capsys):
+  """A Hugging Face folder with a word-level tokenizer.json whose EOS is </s>: output is decoded text, and
+  generation stops at EOS (the model's most likely next token after the prompt is made </s>)."""
+  tokenizers = pytest.importorskip("tokenizers")
+  torch = pytest.importorskip("torch")
+  from test_parity import hf_model, save
+
+  from jaxseek import load_pretrained
+
+  words = ["</s>", "[UNK]"] + [f"w{i}" for i in range(40)]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+  tok.save(str(tmp_path / "tokenizer.json"))
+  model = hf_model("llama_gqa")
+  folder = save(model, tmp_path / "hf")
+  argv = ["--checkpoint", str(folder), "--tokenizer", str(tmp_path / "tokenizer.json"), "--max-new-tokens", "6"]
+  assert gen.main(argv + ["--prompt", "w3 w4 w5"]) == 0
+  out = capsys.readouterr()
+  assert len(out.out.splitlines()) == 1 and "KV cache: 224 bytes per token per layer" in out.err  # 2 × 2 kv heads × 14 × 4
+  # with EOS forced as the first new token, nothing is generated
+  first = gen.generate(load_pretrained(folder), [[5, 6, 7]], 1)[0][0]
+  with torch.no_grad():
+    model.lm_head.weight[[0, first]] = model.lm_head.weight[[first, 0]].clone()
+  save(model, tmp_path / "hf2")
+  assert gen.main(["--checkpoint", str(tmp_path / "hf2")] + argv[2:] + ["--prompt", "w3 w4 w5"]) == 0
+  assert capsys.readouterr().out == "\n"
