@@ -132,6 +132,8 @@ def test_greedy_equals_transformers_generate(name, tmp_path):
   from jaxseek import load_pretrained
 
   model = hf_model(name)
+  if "v3" in name or "v2" in name:  # the same expert math as "eager", batched: 6× quicker on this CPU
+    model.set_experts_implementation("batched_mm")
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = 0
   prompts = [[3, 14, 15, 92, 65, 35, 89], [27, 18, 28]]
