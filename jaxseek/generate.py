@@ -117,6 +117,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
              cache_dtype=jnp.float32, log=None) -> list[list[int]]:
   """New tokens for each prompt (token ids), at most `max_new_tokens`, cut before the first EOS. On a mesh the
   batch is padded with copies of the last prompt to a multiple of the batch shards (data × fsdp × expert)."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise UserError("every prompt needs at least one token")
   count = len(prompts)
   prompts = list(prompts) + [prompts[-1]] * (-count % batch_shards())
   tokens, mask, positions = left_pad(prompts, pad_id)

@@ -88,6 +88,18 @@ def test_sampling_seeded_and_top_k_1_is_greedy():
   assert gen.generate(model, prompts, 8, temperature=0.7, top_p=1e-6, seed=4) == greedy
 
 
+def test_prefill_and_decode_loop_compile_once():
+  """One compilation each for a new (batch, prompt length, new tokens); none for a second call of those shapes,
+  whatever the number of steps the decode loop runs."""
+  model, _ = tiny("tiny-dense")
+  sizes = lambda: (gen._prefill._cache_size(), gen._decode._cache_size())
+  before = sizes()
+  first = gen.generate(model, [[1, 2, 3, 4], [5]], 7)
+  assert sizes() == (before[0] + 1, before[1] + 1)
+  assert gen.generate(model, [[8, 9, 10, 11], [12, 13]], 7) != first
+  assert sizes() == (before[0] + 1, before[1] + 1)
+
+
 def test_stops_at_eos():
   model, _ = tiny("tiny-dense")
   greedy = gen.generate(model, [[5, 6, 7]], 8)[0]
