@@ -154,6 +154,8 @@ def parse_args(argv):
   parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
   parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="weights, compute and cache dtype")
   parser.add_argument("overrides", nargs="*", help="mesh sizes, e.g. mesh.tensor=2 mesh.expert=2")
 
   parser.error = lambda message: (_ for _ in ()).throw(UserError(message))  # one `error:` line, exit status 2
@@ -254,13 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     raise UserError("a prompt encodes to no tokens; give each prompt some text")
   mesh = make_mesh(args.overrides, checkpoint_model_config(args.checkpoint) if args.overrides else None)
   with jax.set_mesh(mesh) if mesh is not None else _nothing():
-    model = load_pretrained(args.checkpoint)
+    model = load_pretrained(args.checkpoint, param_dtype=args.dtype, dtype=args.dtype)
     vocab = model.embed.table_VD.shape[0]
     if tokenizer.vocab_size > vocab:
       raise UserError(f"--tokenizer {args.tokenizer} has {tokenizer.vocab_size} tokens but the model's vocab_size "
                       f"is {vocab}; pass the model's tokenizer")
     outputs = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, eos_id=tokenizer.eos_id,
+                       cache_dtype=jnp.dtype(args.dtype),
                        log=lambda line: print(line, file=sys.stderr))
   for row in outputs:
     print(decode_text(row).replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r"))
