@@ -164,7 +164,8 @@ def test_greedy_equals_transformers_generate(name, tmp_path):
   assert min(len(set(row)) for row in out) > 4  # not one token repeated: the comparison can fail
 
 
-@pytest.mark.parametrize("name,mesh", [("tiny-v3", ("mesh.tensor=2", "mesh.expert=2")), ("tiny-dense", ("mesh.tensor=2",))])
+@pytest.mark.parametrize("name,mesh", [("tiny-v3", ("mesh.tensor=2", "mesh.expert=2")),
+                                       ("tiny-dense", ("mesh.tensor=2",))])
 def test_parallel_generation_gives_single_device_tokens(name, mesh, tmp_path):
   """Weights loaded under a mesh (tensor: heads, MLP and vocab split; expert: routed experts and the batch split,
   the batch padded to a multiple of 2) generate the tokens of one device."""
@@ -248,7 +249,8 @@ def test_cli_with_tokenizer_json_and_hf_folder(tmp_path, capsys):
   argv = ["--checkpoint", str(folder), "--tokenizer", str(tmp_path / "tokenizer.json"), "--max-new-tokens", "6"]
   assert gen.main(argv + ["--prompt", "w3 w4 w5"]) == 0
   out = capsys.readouterr()
-  assert len(out.out.splitlines()) == 1 and "KV cache: 224 bytes per token per layer" in out.err  # 2 × 2 kv heads × 14 × 4
+  assert len(out.out.splitlines()) == 1
+  assert "KV cache: 224 bytes per token per layer" in out.err  # 2 × (2 kv heads × 14) × 4 bytes
   # with EOS forced as the first new token, nothing is generated
   first = gen.generate(load_pretrained(folder), [[5, 6, 7]], 1)[0][0]
   with torch.no_grad():
