@@ -34,7 +34,8 @@ lock: | $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m jaxseek.train --config configs/demo.yaml
-	$(BIN)/python -m jaxseek.generate --checkpoint runs/demo --tokenizer byte --prompt "def main():" --max-new-tokens 64
+	$(BIN)/python -m jaxseek.generate --checkpoint runs/demo --tokenizer byte --prompt "def main():" --max-new-tokens 64 \
+	  --temperature 0.7 --top-k 40
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n 2 tests
