@@ -58,6 +58,9 @@ def test_cache_size_matches_formula(name):
   layers = cfg.num_dense_layers + cfg.num_moe_layers
   per = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 if cfg.is_mla else 2 * cfg.kv_heads * cfg.dense_head_dim * 2
   assert decode.cache_bytes_per_token(cfg, jnp.bfloat16) == per
+  if cfg.is_mla:  # the latent and the rope key, never full keys and values
+    assert {k: v.shape for k, v in cache["moe_layers"].items()} == {
+        "ckv": (cfg.num_moe_layers, 3, 17, cfg.kv_lora_rank), "kr": (cfg.num_moe_layers, 3, 17, cfg.qk_rope_head_dim)}
   assert decode.cache_nbytes(cache) == per * layers * 3 * 17
 
 
