@@ -91,7 +91,8 @@ def main() -> None:
   ratio = rows[1]["tokens_per_sec"] / rows[0]["tokens_per_sec"]
   print(f"jaxseek / transformers decode throughput: {ratio:.2f}x")
   common.append_result(args.results, dict(bench="generate", set=args.set, hf_experts=experts, batch=args.batch,
-                                          prompt_len=args.prompt_len, new=args.new, same_tokens=same, ratio=ratio, rows=rows))
+                                          prompt_len=args.prompt_len, new=args.new, same_tokens=same, ratio=ratio,
+                                          rows=rows))
 
 
 if __name__ == "__main__":
