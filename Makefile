@@ -1,4 +1,4 @@
-# make demo: train the demo model on 8 simulated CPU devices.   make test: run the test suite.
+# make demo: train the demo model on 8 simulated CPU devices, then print a sample from it.   make test: run the test suite.
 # Each creates .venv (python3 -m venv) when missing and installs what it needs.
 # make test-gpu-compile: compile the real train step for an H200 on this machine (no GPU needed) and check its
 # memory and kernels; it creates .venv-gpu with the CUDA build of JAX (about 5.5 GB of wheels).
@@ -34,6 +34,8 @@ lock: | $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m jaxseek.train --config configs/demo.yaml
+	$(BIN)/python -m jaxseek.generate --checkpoint runs/demo --tokenizer byte --prompt "def main():" --max-new-tokens 64 \
+	  --temperature 0.7 --top-k 40
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n 2 tests

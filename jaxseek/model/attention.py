@@ -103,13 +103,19 @@ class Attention(nnx.Module):
     self.impl = cfg.attention_impl
     self.dtype = dtype
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+  def project(self, x_BTD, positions_BT):
+    """Queries [B, T, N, H] and keys [B, T, G, H] (both with RoPE) and values [B, T, G, H]."""
     w = lambda p: p[...].astype(self.dtype)
     q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, w(self.w_q_DNH))
     k_BTGH = jnp.einsum("BTD,DGH->BTGH", x_BTD, w(self.w_k_DGH))
     v_BTGH = jnp.einsum("BTD,DGH->BTGH", x_BTD, w(self.w_v_DGH))
     q_BTNH = shard(apply_rope(q_BTNH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "heads", None))
     k_BTGH = shard(apply_rope(k_BTGH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "kv_heads", None))
+    return q_BTNH, k_BTGH, v_BTGH
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+    w = lambda p: p[...].astype(self.dtype)
+    q_BTNH, k_BTGH, v_BTGH = self.project(x_BTD, positions_BT)
     if self.ring and split_over_context():
       out_BTNH = gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale, self.zigzag)
     else:
@@ -157,7 +163,9 @@ class MLA(nnx.Module):
     self.impl = cfg.attention_impl
     self.dtype = dtype
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+  def project(self, x_BTD, positions_BT):
+    """The no-position queries [B, T, N, H], RoPE queries [B, T, N, R], the latent c_kv [B, T, C] and the shared
+    RoPE key [B, T, 1, R]."""
     w = lambda p: p[...].astype(self.dtype)
     if self.q_lora:
       cq_BTQ = checkpoint_name(self.q_norm(jnp.einsum("BTD,DQ->BTQ", x_BTD, w(self.w_dq_DQ))), "q_latent")
@@ -170,6 +178,11 @@ class MLA(nnx.Module):
     kr_BT1R = jnp.einsum("BTD,DR->BTR", x_BTD, w(self.w_kr_DR))[:, :, None, :]
     qr_BTNR = apply_rope(qr_BTNR, positions_BT, self.inv_freq, self.rope_factor)
     kr_BT1R = apply_rope(kr_BT1R, positions_BT, self.inv_freq, self.rope_factor)
+    return q_BTNH, qr_BTNR, ckv_BTC, kr_BT1R
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+    w = lambda p: p[...].astype(self.dtype)
+    q_BTNH, qr_BTNR, ckv_BTC, kr_BT1R = self.project(x_BTD, positions_BT)
     q_BTNK = shard(jnp.concatenate([q_BTNH, qr_BTNR], -1), ("batch", "length", "heads", None))
     if split_over_context():
       out_BTNP = context_attention(q_BTNK, ckv_BTC, kr_BT1R, w(self.w_uk_CNH), w(self.w_uv_CNP), segment_ids_BT,
