@@ -9,6 +9,12 @@ from pathlib import Path
 if os.environ.get("JAXSEEK_TEST_DEFAULT_OPT") != "1":
   os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
+# Many tests compile the same programs (the single-device references of the exactness tests, the same tiny
+# models in subprocesses): XLA's persistent compilation cache, one per checkout, shared by the workers and the
+# subprocesses they start (the environment carries it), compiles each once. Keys are the programs themselves.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
