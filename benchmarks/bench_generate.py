@@ -29,7 +29,6 @@ import common
 from jaxseek import generate as gen
 from jaxseek.convert.pretrained import load_pretrained
 
-HF_KEYS = {"model_type"}
 
 
 def timed(fn, repeats: int):
@@ -55,13 +54,9 @@ def main() -> None:
   args = parser.parse_args()
 
   import torch
-  import transformers
 
-  torch.set_num_threads(os.cpu_count())
-  torch.manual_seed(0)
   model = common.parse_sets(args.set, common.SMALL_V3)
-  hf_model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-      **{k: v for k, v in model.items() if k not in HF_KEYS})).float().eval()
+  hf_model = common.transformers_twin(model).eval()
   if args.hf_experts:
     hf_model.set_experts_implementation(args.hf_experts)
   prompts = np.random.default_rng(0).integers(1, model["vocab_size"], (args.batch, args.prompt_len)).tolist()

@@ -32,7 +32,6 @@ import common
 from jaxseek import checkpoint as checkpoint_lib
 from jaxseek.convert import pretrained
 
-HF_KEYS = {"model_type"}  # SMALL_V3 keys that DeepseekV3Config takes implicitly
 
 
 def hf_side(hf_model, tokens: np.ndarray, steps: int) -> tuple[list[float], list[float]]:
@@ -65,13 +64,9 @@ def main() -> None:
   args = parser.parse_args()
 
   import torch
-  import transformers
 
-  torch.set_num_threads(os.cpu_count())
-  torch.manual_seed(0)
   model = common.parse_sets(args.set, common.SMALL_V3)
-  hf_model = transformers.DeepseekV3ForCausalLM(
-      transformers.DeepseekV3Config(**{k: v for k, v in model.items() if k not in HF_KEYS})).float()
+  hf_model = common.transformers_twin(model)
   tokens = np.random.default_rng(0).integers(0, model["vocab_size"], (args.batch, args.seq + 1), dtype=np.int32)
   with tempfile.TemporaryDirectory() as tmp:
     hf_model.save_pretrained(f"{tmp}/hf")

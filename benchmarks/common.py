@@ -46,6 +46,20 @@ def parse_sets(items: list[str], model: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def transformers_twin(model: dict[str, Any]):
+  """The transformers DeepseekV3ForCausalLM of a SMALL_V3-style model dict, float32, seeded (torch seed 0), on
+  every CPU thread."""
+  import os
+
+  import torch
+  import transformers
+
+  torch.set_num_threads(os.cpu_count())
+  torch.manual_seed(0)
+  config = transformers.DeepseekV3Config(**{k: v for k, v in model.items() if k != "model_type"})
+  return transformers.DeepseekV3ForCausalLM(config).float()
+
+
 def make_config(model: dict[str, Any], batch: int, seq: int, **train: Any) -> config_lib.Config:
   """A one-device config for timing: no clipping (as the peers' plain loops), AdamW at a small constant lr."""
   return config_lib.from_dict({

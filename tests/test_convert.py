@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from test_parity import EAGER, VARIANTS, hf_model, save  # noqa: E402
+from test_parity import EAGER, VARIANTS, hf_model, save, with_mtp_layer  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "scripts" / "convert_checkpoint.py")
 convert_cli = importlib.util.module_from_spec(_spec)
@@ -124,21 +124,11 @@ def test_sharded_load_places_each_weight_on_its_shards(tmp_path):
 def test_mtp_layers_round_trip(tmp_path):
   """DeepSeek-V3 keeps MTP depth k at model.layers.{L+k}: enorm, hnorm, eh_proj [D, 2D] (input columns [0, D)
   take enorm(embedding), [D, 2D) hnorm(hidden)), a full MoE decoder layer, shared_head.norm and copies of the
-  head and embedding. transformers does not write them, so this file adds them by hand."""
+  head and embedding. transformers does not write them; test_parity.with_mtp_layer adds them."""
   model = hf_model("v3_q_lora_yarn")
-  tensors = load_file(save(model, tmp_path / "plain") / "model.safetensors")
+  folder = with_mtp_layer(model, tmp_path)
+  tensors = load_file(folder / "model.safetensors")
   L, D = model.config.num_hidden_layers, model.config.hidden_size
-  g = torch.Generator().manual_seed(5)
-  for name in [n for n in list(tensors) if n.startswith(f"model.layers.{L - 1}.")]:
-    tensors[name.replace(f"layers.{L - 1}.", f"layers.{L}.")] = torch.randn(tensors[name].shape, generator=g)
-  mtp = {"enorm.weight": (D,), "hnorm.weight": (D,), "eh_proj.weight": (D, 2 * D), "shared_head.norm.weight": (D,)}
-  tensors.update({f"model.layers.{L}.{n}": torch.randn(s, generator=g) for n, s in mtp.items()})
-  tensors[f"model.layers.{L}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-  tensors[f"model.layers.{L}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-  folder = tmp_path / "mtp"
-  folder.mkdir()
-  save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-  (folder / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
   assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
   ours = pretrained.load_pretrained(folder)

@@ -115,34 +115,13 @@ def test_stops_at_eos():
 HF_VARIANTS = ["v3_q_lora_yarn", "v2_lite", "llama_gqa"]
 
 
-def with_mtp_layer(model, tmp_path):
-  """The saved folder plus one multi-token-prediction layer's tensors (model.layers.{L}.*), as DeepSeek-V3
-  checkpoints hold them and transformers does not write them."""
-  from safetensors.torch import load_file, save_file
-  from test_parity import save
-
-  torch = pytest.importorskip("torch")
-  tensors = load_file(save(model, tmp_path / "plain") / "model.safetensors")
-  L, D = model.config.num_hidden_layers, model.config.hidden_size
-  g = torch.Generator().manual_seed(5)
-  for name in [n for n in list(tensors) if n.startswith(f"model.layers.{L - 1}.")]:
-    tensors[name.replace(f"layers.{L - 1}.", f"layers.{L}.")] = torch.randn(tensors[name].shape, generator=g)
-  mtp = {"enorm.weight": (D,), "hnorm.weight": (D,), "eh_proj.weight": (D, 2 * D), "shared_head.norm.weight": (D,)}
-  tensors.update({f"model.layers.{L}.{n}": torch.randn(s, generator=g) for n, s in mtp.items()})
-  tensors[f"model.layers.{L}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-  tensors[f"model.layers.{L}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-  folder = tmp_path / "mtp"
-  folder.mkdir()
-  save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-  (folder / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
-  return folder
 
 
 @pytest.mark.parametrize("name", HF_VARIANTS)
 def test_greedy_equals_transformers_generate(name, tmp_path):
   """32 greedy tokens for 2 prompts of lengths 7 and 3 in one batch (transformers: left padding, attention mask)."""
   torch = pytest.importorskip("torch")
-  from test_parity import hf_model, save
+  from test_parity import hf_model, save, with_mtp_layer
 
   from jaxseek import load_pretrained
 

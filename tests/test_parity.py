@@ -67,6 +67,25 @@ def save(model, folder, **kwargs):
   return folder
 
 
+def with_mtp_layer(model, tmp_path):
+  """The saved folder plus one multi-token-prediction layer's tensors (model.layers.{L}.*), as DeepSeek-V3
+  checkpoints hold them and transformers does not write them."""
+  tensors = load_file(save(model, tmp_path / "plain") / "model.safetensors")
+  L, D = model.config.num_hidden_layers, model.config.hidden_size
+  g = torch.Generator().manual_seed(5)
+  for name in [n for n in list(tensors) if n.startswith(f"model.layers.{L - 1}.")]:
+    tensors[name.replace(f"layers.{L - 1}.", f"layers.{L}.")] = torch.randn(tensors[name].shape, generator=g)
+  mtp = {"enorm.weight": (D,), "hnorm.weight": (D,), "eh_proj.weight": (D, 2 * D), "shared_head.norm.weight": (D,)}
+  tensors.update({f"model.layers.{L}.{n}": torch.randn(s, generator=g) for n, s in mtp.items()})
+  tensors[f"model.layers.{L}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+  tensors[f"model.layers.{L}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+  folder = tmp_path / "mtp"
+  folder.mkdir()
+  save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+  (folder / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
+  return folder
+
+
 def sequences(vocab: int):
   """Lengths 1, 9 and 40 (beyond original_max_position_embeddings=16), batches of 1-2."""
   rng = np.random.default_rng(7)
