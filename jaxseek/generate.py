@@ -149,6 +149,11 @@ def parse_args(argv):
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--prompt", help="one prompt")
   source.add_argument("--prompts", help="a text file, one prompt per line (a batch)")
+  parser.add_argument("--chat", action="store_true",
+                      help="each prompt is a user message, rendered with the chat template and its generation prompt")
+  parser.add_argument("--chat-template", metavar="FILE|default",
+                      help="with --chat: a jinja chat template (default: the tokenizer's own, else jaxseek's "
+                           "User:/Assistant: template)")
   parser.add_argument("--max-new-tokens", type=int, default=64)
   parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
@@ -172,6 +177,8 @@ def check_args(args) -> list[str]:
     raise UserError(f"--top-k {args.top_k} must be ≥ 0 (0: no top-k filtering)")
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p {args.top_p} must be in (0, 1]")
+  if args.chat_template is not None and not args.chat:
+    raise UserError("--chat-template applies with --chat only")
   if not Path(args.checkpoint).is_dir():
     raise UserError(f"--checkpoint {args.checkpoint}: no such folder; pass a Hugging Face model folder, a jaxseek "
                     "checkpoint folder or a run folder")
@@ -230,15 +237,35 @@ def make_mesh(overrides: list[str], model: config_lib.ModelConfig | None = None)
   return mesh_lib.make_mesh(cfg, jax.devices()[:n])
 
 
-def text_codec(tokenizer):
-  """(encode: text → ids without EOS, decode: ids → text) for a resolved tokenizer."""
-  if tokenizer.kind == "byte":
-    return (lambda text: list(text.encode("utf-8")),
-            lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"))
-  from jaxseek.input.tokenize import _load
+def text_codec(tokenizer, chat_template: str | None = None, chat: bool = False):
+  """(encode: prompt → ids without EOS, decode: ids → text) for a resolved tokenizer. With `chat` a prompt is one
+  user message rendered with the chat template (`chat_template`: a file, "default", or None for the tokenizer's
+  own) and its generation prompt, and the template's own special tokens are the only ones added."""
+  from jaxseek.input import chat as chat_lib
+  from jaxseek.input.tokenize import _load, chat_variables
 
+  if chat:
+    try:
+      source, _ = chat_lib.template_source(tokenizer.path, chat_template)
+      chat_lib.compile_template(source)
+    except chat_lib.ChatError as e:
+      raise UserError(str(e)) from None
+    variables = chat_variables(tokenizer)
+
+    def render(text):
+      try:
+        return chat_lib.generation_prompt(source, [{"role": "user", "content": text}], variables)
+      except chat_lib.ChatError as e:
+        raise UserError(str(e)) from None
+  if tokenizer.kind == "byte":
+    as_bytes = lambda text: list(text.encode("utf-8"))
+    return ((lambda text: as_bytes(render(text))) if chat else as_bytes,
+            lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"))
   tok = _load(tokenizer.path)
-  encode = lambda text: [i for i in tok.encode(text, add_special_tokens=True).ids if i != tokenizer.eos_id]
+  if chat:
+    encode = lambda text: tok.encode(render(text), add_special_tokens=False).ids
+  else:
+    encode = lambda text: [i for i in tok.encode(text, add_special_tokens=True).ids if i != tokenizer.eos_id]
   return encode, lambda ids: tok.decode(ids)
 
 
@@ -250,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
   from jaxseek.input import tokenize
 
   tokenizer = tokenize.resolve(args.tokenizer)
-  encode, decode_text = text_codec(tokenizer)
+  encode, decode_text = text_codec(tokenizer, args.chat_template, args.chat)
   ids = [encode(p) for p in prompts]
   if any(not i for i in ids):
     raise UserError("a prompt encodes to no tokens; give each prompt some text")

@@ -239,7 +239,8 @@ class TensorBoard:
 
 # metrics.jsonl key → Prometheus gauge name (the Grafana dashboard in docs/ reads these)
 PROMETHEUS_GAUGES = {
-    "step": "jaxseek_step", "loss": "jaxseek_loss", "lr": "jaxseek_learning_rate", "grad_norm": "jaxseek_grad_norm",
+    "step": "jaxseek_step", "loss": "jaxseek_loss", "loss_tokens": "jaxseek_loss_tokens",
+    "lr": "jaxseek_learning_rate", "grad_norm": "jaxseek_grad_norm",
     "tokens_per_sec": "jaxseek_tokens_per_second", "mfu": "jaxseek_mfu", "tflops_per_device": "jaxseek_tflops_per_device",
     "step_time_s": "jaxseek_step_time_seconds", "data_wait_s": "jaxseek_data_wait_seconds",
     "ckpt_block_s": "jaxseek_checkpoint_block_seconds", "host_memory_bytes": "jaxseek_host_memory_bytes",

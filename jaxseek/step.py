@@ -163,17 +163,27 @@ def init_state(cfg: config_lib.Config, mesh: Mesh) -> tuple[Trainer, TrainState]
 
 
 def mtp_mask(batch: dict[str, jax.Array], k: int) -> jax.Array:
-  """Where depth k's target t_{i+k+1} exists: the main target at i+k counts and i+k is in i's document."""
+  """Where depth k's target t_{i+k+1} counts in the loss: the main target at i+k counts and i+k is in i's
+  document."""
   return target_exists(batch["loss_mask"], batch.get("segment_ids"), k)
+
+
+def mtp_valid(batch: dict[str, jax.Array], k: int) -> jax.Array:
+  """Where depth k has a target at all (what its MoE block counts): i+k is a token of i's document, whether or not
+  the loss trains on it (chat data's prompt tokens are routed and counted, as in the main stack)."""
+  segment_ids = batch.get("segment_ids")
+  valid = batch["loss_mask"] if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
+  return target_exists(valid, segment_ids, k)
 
 
 def with_mtp_arrays(batch: dict[str, jax.Array], depth: int) -> dict[str, jax.Array]:
   """The batch with what multi-token prediction depth k reads at position i, taken in token order: the input
-  t_{i+k} (`mtp_inputs_k`), the target t_{i+k+1} (`mtp_targets_k`) and where it counts (`mtp_mask_k`)."""
+  t_{i+k} (`mtp_inputs_k`), the target t_{i+k+1} (`mtp_targets_k`), where the loss counts it (`mtp_mask_k`) and
+  where it exists (`mtp_valid_k`)."""
   out = dict(batch)
   for k in range(1, depth + 1):
     out.update({f"mtp_inputs_{k}": shift_left(batch["inputs"], k), f"mtp_targets_{k}": shift_left(batch["targets"], k),
-                f"mtp_mask_{k}": mtp_mask(batch, k)})
+                f"mtp_mask_{k}": mtp_mask(batch, k), f"mtp_valid_{k}": mtp_valid(batch, k)})
   return out
 
 
@@ -228,7 +238,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   accept = finite & ~is_spike(loss, state.loss_window, cfg.train.spike_sigma)
   dynamic = cfg.train.compute_dtype == "float16"
   overflow = dynamic & jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)  # the scale's fault, not the model's
-  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": optim.applied_lr(cfg.optim, cfg.train.steps, opt_before),
+  metrics = {"loss": loss, "loss_tokens": batch["loss_mask"].sum(), "grad_norm": grad_norm,
+             "lr": optim.applied_lr(cfg.optim, cfg.train.steps, opt_before),
              "nonfinite": (~finite & ~overflow).astype(jnp.int32), "skipped": (~accept).astype(jnp.int32),
              **_mtp_and_moe_metrics(cfg, batch, mtp_sums, loads, balance, new.biases)}
   if dynamic:
@@ -266,7 +277,7 @@ def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, ba
   def objective(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
     mtp_inputs = [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
-    mtp_valid = [mb[f"mtp_mask_{k}"] for k in range(1, depth + 1)]
+    mtp_valid = [mb[f"mtp_valid_{k}"] for k in range(1, depth + 1)]
     h_BTD, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), mtp_inputs, mtp_valid,
                                logits=False)
     head_DV = model.head()
@@ -428,7 +439,7 @@ def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Ar
   depth = cfg.model.num_nextn_predict_layers
   batch = step_batch(cfg, batch)
   mtp_inputs = [batch[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
-  mtp_valid = [batch[f"mtp_mask_{k}"] for k in range(1, depth + 1)]
+  mtp_valid = [batch[f"mtp_valid_{k}"] for k in range(1, depth + 1)]
   h_BTD, aux = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), mtp_inputs,
                              mtp_valid, logits=False)
   head_DV = model.head()

@@ -1,5 +1,6 @@
 """The input pipeline: data preparation, per-process shards, packing, resume, mixtures, errors."""
 
+import dataclasses
 import json
 import pickle
 import subprocess
@@ -114,21 +115,28 @@ def test_chunks_split_long_documents_into_consecutive_pairs():
   docs = sources.Documents("t", (np.concatenate([short, doc]),), (np.array([0, 2, 17]),), 264, None, "t")
   chunks = sources.DocumentChunks(docs, 6)
   assert len(chunks) == 4
-  np.testing.assert_array_equal(chunks[0], [[7, 8]])
-  np.testing.assert_array_equal(chunks[2], np.stack([doc[6:12], doc[7:13]], 1))
-  np.testing.assert_array_equal(chunks[3], np.stack([doc[12:14], doc[13:15]], 1))
+  np.testing.assert_array_equal(chunks[0], [[7, 8, 1]])
+  np.testing.assert_array_equal(chunks[2], np.stack([doc[6:12], doc[7:13], np.ones(6)], 1))
+  np.testing.assert_array_equal(chunks[3], np.stack([doc[12:14], doc[13:15], np.ones(2)], 1))
+  # with a loss mask (chat data) the weight of a pair is its target token's mask
+  mask = np.array([0, 1] + [0] * 8 + [1] * 7, np.uint8)
+  masked = sources.DocumentChunks(dataclasses.replace(docs, masks=(mask,)), 6)
+  np.testing.assert_array_equal(masked[0][:, 2], [1])
+  np.testing.assert_array_equal(masked[2][:, 2], [0, 1, 1, 1, 1, 1])  # targets at 9..14
+  np.testing.assert_array_equal(masked[3][:, 2], [1, 1])
 
 
 def test_packing_segments_positions_and_loss_mask():
   docs = [np.array(d, np.int32) for d in ([10, 11, 12, 13], [20, 21], [30, 31, 32, 33, 34, 35])]
-  chunks = [{"tokens": np.stack([d[:-1], d[1:]], 1), "index": j} for j, d in enumerate(docs)]
+  weights = [[1, 1, 1], [1], [0, 0, 1, 1, 0]]  # the last document's targets 31, 32 and 35 are not trained on
+  chunks = [{"tokens": np.stack([d[:-1], d[1:], w], 1), "index": j} for j, (d, w) in enumerate(zip(docs, weights))]
   rows = list(pipeline.pack(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len=6, bins=2, source=1))
   assert len(rows) == 2
   expected = [
       dict(inputs=[10, 11, 12, 20, 0, 0], targets=[11, 12, 13, 21, 0, 0], segment_ids=[1, 1, 1, 2, 0, 0],
            positions=[0, 1, 2, 0, 0, 0], loss_mask=[1, 1, 1, 1, 0, 0], _index=1, _source=1),
       dict(inputs=[30, 31, 32, 33, 34, 0], targets=[31, 32, 33, 34, 35, 0], segment_ids=[1, 1, 1, 1, 1, 0],
-           positions=[0, 1, 2, 3, 4, 0], loss_mask=[1, 1, 1, 1, 1, 0], _index=2, _source=1)]
+           positions=[0, 1, 2, 3, 4, 0], loss_mask=[0, 0, 1, 1, 0, 0], _index=2, _source=1)]
   for row, want in zip(rows, expected):
     assert set(row) == set(want)
     for key, value in want.items():
@@ -141,7 +149,7 @@ def test_packed_row_forward_equals_documents_run_separately():
   forward = nnx.jit(lambda m, *args: m(*args))
   rng = np.random.default_rng(0)
   docs = [rng.integers(1, cfg.model.vocab_size, n).astype(np.int32) for n in (8, 5, 10)]
-  chunks = [{"tokens": np.stack([d[:-1], d[1:]], 1), "index": j} for j, d in enumerate(docs)]
+  chunks = [{"tokens": np.stack([d[:-1], d[1:], np.ones_like(d[1:])], 1), "index": j} for j, d in enumerate(docs)]
   (row,) = list(pipeline.pack(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len=24, bins=1))
   packed_TV = forward(model, row["inputs"][None], row["positions"][None], row["segment_ids"][None])[0]
   # Each document alone in its own row from position 0 (zeros after it cannot reach it through causal attention).

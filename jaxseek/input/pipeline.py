@@ -91,7 +91,7 @@ def source_seed(seed: int, source: int) -> int:
 
 
 def chunk_stream(docs: Documents, seq_len: int, seed: int, start: int, index: int, count: int) -> grain.MapDataset:
-  """This shard's chunks {"tokens": [n, 2], "index": j}: stream positions j = start + index + k·count of the
+  """This shard's chunks {"tokens": [n, 3], "index": j}: stream positions j = start + index + k·count of the
   shuffled, endlessly repeated chunks (epoch e is shuffled with seed + e)."""
   ds = grain.MapDataset.source(DocumentChunks(docs, seq_len)).shuffle(seed=seed).repeat()
   return ds.map_with_index(_tag)[start + index::count]
@@ -103,7 +103,7 @@ def _tag(index: int, tokens: np.ndarray) -> dict:
 
 def pack(chunks: grain.IterDataset, seq_len: int, bins: int, source: int = 0) -> grain.IterDataset:
   """Chunks → rows of seq_len: first-fit over `bins` rows; segment ids 1, 2, ... per chunk (0 = padding),
-  positions from 0 in each chunk, loss on every (input, target) pair and on no padding."""
+  positions from 0 in each chunk, loss on every (input, target) pair whose weight is 1 and on no padding."""
   packed = grain.experimental.FirstFitPackIterDataset(
       chunks, length_struct={"tokens": seq_len}, num_packing_bins=bins, shuffle_bins=False, meta_features=("index",))
   return packed.map(functools.partial(_packed_row, source=source))
@@ -112,7 +112,8 @@ def pack(chunks: grain.IterDataset, seq_len: int, bins: int, source: int = 0) ->
 def _packed_row(row: dict, source: int) -> dict[str, np.ndarray]:
   segment_ids = row["tokens_segment_ids"]
   return {"inputs": row["tokens"][:, 0], "targets": row["tokens"][:, 1],
-          "loss_mask": (segment_ids > 0).astype(np.float32), "positions": row["tokens_positions"],
+          "loss_mask": ((segment_ids > 0) & (row["tokens"][:, 2] > 0)).astype(np.float32),
+          "positions": row["tokens_positions"],
           "segment_ids": segment_ids, "_index": np.int64(max(row["index"])), "_source": np.int32(source)}
 
 

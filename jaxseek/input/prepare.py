@@ -1,10 +1,13 @@
 """Text or JSONL files → token shards + manifest.json (the format of jaxseek/input/shards.py).
 
 python scripts/prepare_data.py --input FILES_OR_GLOBS --tokenizer byte|PATH/tokenizer.json --out DIR [--shards N]
+                               [--format text|chat] [--chat-template FILE|default]
 
 A `.jsonl` file (optionally `.gz`) holds one JSON object per line whose `text` field is a document; any other
-file is one document. Document i (in the order of the sorted file list) goes to shard i mod N. Tokenisation runs
-in worker processes; the output does not depend on their number.
+file is one document. With --format chat every line is a conversation (input/chat.py), rendered with the chat
+template, and a per-token loss mask is stored beside the tokens: only assistant tokens are trained on. Document i
+(in the order of the sorted file list) goes to shard i mod N. Tokenisation runs in worker processes; the output
+does not depend on their number.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import collections
 import concurrent.futures
 import glob
 import gzip
+import hashlib
 import json
 import multiprocessing
 import os
@@ -26,6 +30,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from jaxseek.errors import UserError, cli
+from jaxseek.input import chat
 from jaxseek.input import shards as shards_lib
 from jaxseek.input import tokenize
 
@@ -47,13 +52,16 @@ def _is_jsonl(path: Path) -> bool:
   return path.name.endswith((".jsonl", ".jsonl.gz", ".ndjson"))
 
 
-def read_chunks(files: list[Path], text_field: str) -> Iterator[tuple[list[str], int]]:
-  """Yields (documents, input bytes they came from) in groups of about CHUNK_BYTES; empty documents are skipped."""
+def read_chunks(files: list[Path], text_field: str, conversation=None) -> Iterator[tuple[list, int]]:
+  """Yields (documents, input bytes they came from) in groups of about CHUNK_BYTES; empty documents are skipped.
+  A document is a text, or with `conversation` (a ChatRenderer) a rendered conversation (text, spans)."""
   texts, size = [], 0
   for path in files:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-      if _is_jsonl(path):
+      if conversation is not None:
+        records = _jsonl_conversations(f, path, conversation)
+      elif _is_jsonl(path):
         records = _jsonl_documents(f, path, text_field)
       else:
         data = f.read()
@@ -85,6 +93,49 @@ def _jsonl_documents(f, path: Path, text_field: str) -> Iterator[tuple[int, str]
     offset += len(raw)
 
 
+class ChatRenderer:
+  """JSONL record → (rendered text, assistant spans) with one chat template (see input/chat.py)."""
+
+  def __init__(self, tokenizer: tokenize.Tokenizer, template: str | None):
+    try:
+      self.source, self.origin = chat.template_source(tokenizer.path, template)
+      chat.compile_template(self.source)
+    except chat.ChatError as e:
+      raise UserError(f"{e}") from None
+    self.variables = tokenize.chat_variables(tokenizer)
+    self.byte = tokenizer.kind == "byte"
+
+  def __call__(self, record: object) -> tuple[str, list[tuple[int, int]]]:
+    conversation = [{**m, "content": _clean(m["content"])} for m in chat.messages(record)]
+    return chat.render(self.source, conversation, self.variables)
+
+
+def _clean(text: str) -> str:
+  """Encodable text: lone surrogates (which JSON escapes can hold) become "?"; NUL, the byte-level EOS, is
+  dropped."""
+  if not text.isascii():
+    text = text.encode("utf-8", "replace").decode("utf-8")
+  return text.replace("\x00", "")
+
+
+def _jsonl_conversations(f, path: Path, render: ChatRenderer) -> Iterator[tuple[int, tuple | None]]:
+  offset = 0
+  for number, raw in enumerate(f, 1):
+    line = _decode(raw, path, offset)
+    offset += len(raw)
+    if not line.strip():
+      yield len(raw), None
+      continue
+    try:
+      record = json.loads(line)
+    except ValueError:
+      raise UserError(f"{path}:{number} is not valid JSON; each line of a .jsonl file must be one JSON object") from None
+    try:
+      yield len(raw), render(record)
+    except chat.ChatError as e:
+      raise UserError(f"{path}:{number} {e}") from None
+
+
 def _document(raw: str, path: Path, number: int, text_field: str) -> str:
   if not raw.strip():
     return ""
@@ -104,18 +155,26 @@ def _init_worker() -> None:
   os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker process
 
 
-def encoded_chunks(tokenizer: tokenize.Tokenizer, chunks: Iterator[tuple[list[str], int]],
-                   workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-  """(tokens, lengths, input bytes) per chunk, in input order; with workers > 1, 2·workers chunks in flight."""
+def _encode(tokenizer: tokenize.Tokenizer, documents: list) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+  """(tokens, lengths, mask or None) of texts, or of rendered conversations."""
+  if documents and isinstance(documents[0], tuple):
+    return tokenize.encode_chat(tokenizer, documents)
+  return *tokenize.encode(tokenizer, documents), None
+
+
+def encoded_chunks(tokenizer: tokenize.Tokenizer, chunks: Iterator[tuple[list, int]],
+                   workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]]:
+  """(tokens, lengths, mask or None, input bytes) per chunk, in input order; with workers > 1, 2·workers chunks
+  in flight."""
   if workers <= 1:
     for texts, size in chunks:
-      yield *tokenize.encode(tokenizer, texts), size
+      yield *_encode(tokenizer, texts), size
     return
   context = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX or tokenizer threads
   with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker) as pool:
     pending: collections.deque = collections.deque()
     for texts, size in chunks:
-      pending.append((pool.submit(tokenize.encode, tokenizer, texts), size))
+      pending.append((pool.submit(_encode, tokenizer, texts), size))
       if len(pending) >= 2 * workers:
         future, done_size = pending.popleft()
         yield *future.result(), done_size
@@ -136,7 +195,7 @@ def _publish(staging: Path, out: Path, manifest: dict) -> None:
   goes last, so an interrupted move is never read as data."""
   out.mkdir(parents=True, exist_ok=True)
   (out / shards_lib.MANIFEST).unlink(missing_ok=True)
-  for stale in list(out.glob("shard-*.tokens")) + list(out.glob("shard-*.index")):
+  for stale in [*out.glob("shard-*.tokens"), *out.glob("shard-*.index"), *out.glob("shard-*.mask")]:
     stale.unlink()
   for path in staging.iterdir():
     os.replace(path, out / path.name)
@@ -145,12 +204,22 @@ def _publish(staging: Path, out: Path, manifest: dict) -> None:
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int = 1, workers: int = 1,
             text_field: str = "text", eos: str | None = None, overwrite: bool = False,
-            progress: bool = True) -> dict:
-  """Tokenises `inputs` into `shards` shards under `out`; returns the manifest (also written as manifest.json)."""
+            progress: bool = True, format: str = "text", chat_template: str | None = None) -> dict:
+  """Tokenises `inputs` into `shards` shards under `out`; returns the manifest (also written as manifest.json).
+  `format` "chat": JSONL conversations with a loss mask on the assistant tokens, rendered with `chat_template`
+  (a jinja file, "default", or None for the tokenizer's own)."""
   if shards < 1:
     raise UserError(f"--shards {shards} must be ≥ 1")
+  if format not in ("text", "chat"):
+    raise UserError(f"--format {format} must be text or chat")
+  if chat_template is not None and format != "chat":
+    raise UserError("--chat-template applies to --format chat only")
   files = expand(inputs)
+  if format == "chat" and not all(map(_is_jsonl, files)):
+    raise UserError(f"--format chat reads .jsonl files of conversations, not {next(p for p in files if not _is_jsonl(p))}"
+                    f"; convert it to JSONL with a 'messages' list (or 'prompt' and 'response') per line")
   tok = tokenize.resolve(tokenizer, eos)
+  renderer = ChatRenderer(tok, chat_template) if format == "chat" else None
   out = Path(out)
   _check_out(out, overwrite)
   # written beside --out first: bad input found halfway leaves what --out held untouched
@@ -158,32 +227,43 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int 
   shutil.rmtree(staging, ignore_errors=True)
   staging.mkdir(parents=True)
   try:
-    writers = [shards_lib.ShardWriter(staging, s) for s in range(shards)]
+    writers = [shards_lib.ShardWriter(staging, s, mask=renderer is not None) for s in range(shards)]
     total_bytes = sum(p.stat().st_size for p in files)
-    documents, start = 0, time.perf_counter()
+    documents, trained, start = 0, 0, time.perf_counter()
     with _Progress(total_bytes, progress) as bar:
-      for tokens, lengths, size in encoded_chunks(tok, read_chunks(files, text_field), workers):
+      for tokens, lengths, mask, size in encoded_chunks(tok, read_chunks(files, text_field, renderer), workers):
         if tokens.size and int(tokens.max()) >= tok.vocab_size:
           raise UserError(f"--tokenizer {tokenizer} produced id {int(tokens.max())} ≥ its vocab size "
                           f"{tok.vocab_size}")
         shard_of_doc = (documents + np.arange(len(lengths))) % shards
         shard_of_token = np.repeat(shard_of_doc, lengths)
         for s, writer in enumerate(writers):
-          writer.add(tokens[shard_of_token == s], lengths[shard_of_doc == s])
+          on = shard_of_token == s
+          writer.add(tokens[on], lengths[shard_of_doc == s], None if mask is None else mask[on])
         documents += len(lengths)
+        trained += 0 if mask is None else int(mask.sum())
         bar.advance(size)
     entries = [w.close() for w in writers]
     if documents == 0:
       raise UserError(f"--input {' '.join(inputs)} holds no document (the files are empty"
                       f"{' or their records have no text' if any(map(_is_jsonl, files)) else ''}); nothing written")
+    if renderer is not None and trained == 0:
+      raise UserError(f"--input {' '.join(inputs)}: no assistant token survives the chat template "
+                      f"({renderer.origin}); nothing written")
     seconds = time.perf_counter() - start
     manifest = {"format": shards_lib.FORMAT, "tokenizer": tok.manifest(), "vocab_size": tok.vocab_size,
                 "eos_id": tok.eos_id, "documents": documents, "tokens": sum(e["tokens"] for e in entries),
                 "input_bytes": total_bytes, "inputs": [str(p) for p in files], "shards": entries}
+    if renderer is not None:
+      manifest["chat"] = {"template": renderer.origin, "template_sha256": hashlib.sha256(
+          renderer.source.encode()).hexdigest(), "trained_tokens": trained}
     _publish(staging, out, manifest)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   if progress:
+    if renderer is not None:
+      print(f"chat template: {renderer.origin}; {trained:,} of {manifest['tokens']:,} tokens are trained on "
+            f"(assistant turns)", file=sys.stderr)
     print(f"prepared {documents:,} documents, {manifest['tokens']:,} tokens from {total_bytes / 1e6:,.1f} MB in "
           f"{seconds:.1f} s ({total_bytes / 1e6 / seconds:,.1f} MB/s, {manifest['tokens'] / seconds:,.0f} tokens/s) "
           f"→ {out}", file=sys.stderr)
@@ -232,6 +312,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--shards", type=int, default=1, help="number of shards (default 1)")
   parser.add_argument("--workers", type=int, help="tokenising processes (default: 1 for byte, else one per CPU)")
   parser.add_argument("--text-field", default="text", help="JSONL field holding the document (default text)")
+  parser.add_argument("--format", default="text", choices=("text", "chat"),
+                      help="text: documents; chat: JSONL conversations ('messages', or 'prompt' and 'response'), "
+                           "trained on the assistant tokens only")
+  parser.add_argument("--chat-template", metavar="FILE|default",
+                      help="jinja chat template (default: the tokenizer's chat_template.jinja or tokenizer_config.json "
+                           "chat_template, else jaxseek's User:/Assistant: template)")
   parser.add_argument("--eos", help="end-of-document token (default: from tokenizer_config.json or the vocabulary)")
   parser.add_argument("--overwrite", action="store_true", help="replace prepared data already in --out")
   parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -243,5 +329,5 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   workers = args.workers or (1 if args.tokenizer == "byte" else os.cpu_count() or 1)
   prepare(args.input, args.tokenizer, args.out, args.shards, workers, args.text_field, args.eos,
-          args.overwrite, progress=not args.quiet)
+          args.overwrite, progress=not args.quiet, format=args.format, chat_template=args.chat_template)
   return 0

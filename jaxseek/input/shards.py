@@ -3,6 +3,8 @@
   manifest.json         format, tokenizer, vocab_size, eos_id, document and token counts, per-shard sha256
   shard-00000.tokens    the shard's documents back to back, little-endian uint32 token ids
   shard-00000.index     little-endian int64 offsets, documents + 1 of them: document d = tokens[o[d]:o[d + 1]]
+  shard-00000.mask      (chat data only) uint8 per token: 1 where the token is a training target (an assistant
+                        token), 0 where it is only context (system and user turns, the template's markup)
 
 Readers memory-map both files: opening a folder costs only the checksums, and any document is one slice.
 """
@@ -22,14 +24,18 @@ FORMAT = "jaxseek-tokens-1"
 MANIFEST = "manifest.json"
 TOKEN_DTYPE = np.dtype("<u4")
 OFFSET_DTYPE = np.dtype("<i8")
+MASK_DTYPE = np.dtype("u1")
 
 
 class ShardWriter:
-  """Appends documents to one shard's token and index files, hashing the bytes as it writes them."""
+  """Appends documents to one shard's token and index files (and, with `mask`, its loss-mask file), hashing the
+  bytes as it writes them."""
 
-  def __init__(self, folder: Path, shard: int):
+  def __init__(self, folder: Path, shard: int, mask: bool = False):
     self.folder = folder
     self.names = {"tokens": f"shard-{shard:05d}.tokens", "index": f"shard-{shard:05d}.index"}
+    if mask:
+      self.names["mask"] = f"shard-{shard:05d}.mask"
     self.files = {k: open(folder / n, "wb") for k, n in self.names.items()}
     self.hashes = {k: hashlib.sha256() for k in self.names}
     self.documents = self.num_tokens = 0
@@ -40,9 +46,13 @@ class ShardWriter:
     self.files[kind].write(data)
     self.hashes[kind].update(data)
 
-  def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-    """Appends documents given back to back in `tokens`, with `lengths`."""
+  def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+    """Appends documents given back to back in `tokens`, with `lengths` (and per token `mask`)."""
+    if ("mask" in self.names) != (mask is not None):
+      raise ValueError("a shard holds a mask for every document or for none")
     self._write("tokens", tokens.astype(TOKEN_DTYPE, copy=False))
+    if mask is not None:
+      self._write("mask", mask.astype(MASK_DTYPE, copy=False))
     self._write("index", (self.num_tokens + np.cumsum(lengths, dtype=np.int64)).astype(OFFSET_DTYPE, copy=False))
     self.documents += len(lengths)
     self.num_tokens += int(np.sum(lengths))
@@ -51,8 +61,11 @@ class ShardWriter:
     """Closes the files; returns the shard's manifest entry."""
     for f in self.files.values():
       f.close()
-    return {"tokens_file": self.names["tokens"], "index_file": self.names["index"], "documents": self.documents,
-            "tokens": self.num_tokens, "sha256": {k: h.hexdigest() for k, h in self.hashes.items()}}
+    entry = {"tokens_file": self.names["tokens"], "index_file": self.names["index"], "documents": self.documents,
+             "tokens": self.num_tokens, "sha256": {k: h.hexdigest() for k, h in self.hashes.items()}}
+    if "mask" in self.names:
+      entry["mask_file"] = self.names["mask"]
+    return entry
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
@@ -88,16 +101,20 @@ def open_folder(folder: str | Path, vocab_size: int, verify: bool = True) -> Doc
     raise UserError(f"{folder / MANIFEST}: the data was tokenised with a {manifest['vocab_size']}-token vocabulary "
                     f"but model.vocab_size={vocab_size}; raise model.vocab_size or prepare the data with the "
                     f"model's tokenizer")
-  tokens, offsets = [], []
+  tokens, offsets, masks = [], [], []
   for shard in manifest["shards"]:
     tokens.append(_map(folder, shard["tokens_file"], TOKEN_DTYPE, shard["tokens"], shard["sha256"]["tokens"], verify))
     offsets.append(_map(folder, shard["index_file"], OFFSET_DTYPE, shard["documents"] + 1, shard["sha256"]["index"],
                         verify))
     if offsets[-1][0] != 0 or offsets[-1][-1] != shard["tokens"] or np.any(np.diff(offsets[-1]) < 0):
       raise _corrupt(folder / shard["index_file"], "holds offsets that do not match its shard")
+    if "mask_file" in shard:
+      masks.append(_map(folder, shard["mask_file"], MASK_DTYPE, shard["tokens"], shard["sha256"]["mask"], verify))
+  if masks and len(masks) != len(tokens):
+    raise _corrupt(folder / MANIFEST, "lists a loss mask for some shards only")
   fingerprint = hashlib.sha256(json.dumps([s["sha256"] for s in manifest["shards"]]).encode()).hexdigest()
   return Documents(str(folder), tuple(tokens), tuple(offsets), manifest["vocab_size"], manifest.get("eos_id"),
-                   fingerprint)
+                   fingerprint, masks=tuple(masks) if masks else None)
 
 
 def _map(folder: Path, name: str, dtype: np.dtype, count: int, sha256: str, verify: bool) -> np.ndarray:

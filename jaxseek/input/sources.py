@@ -41,6 +41,7 @@ class Documents:
   eos_id: int | None
   fingerprint: str
   keep: np.ndarray | None = None  # bool per document (over all shards): only these are read (input/holdout.py)
+  masks: tuple[np.ndarray, ...] | None = None  # per shard, uint8 per token: 1 = a training target (chat data)
 
   @property
   def num_documents(self) -> int:
@@ -48,9 +49,10 @@ class Documents:
 
 
 class DocumentChunks:
-  """Grain source: record i is one chunk, an [n, 2] int32 array of consecutive (input, target) pairs of one
-  document, 1 ≤ n ≤ seq_len. A document of m tokens has m − 1 pairs, split into ⌈(m − 1) / seq_len⌉ chunks, so
-  no pair ever crosses two documents."""
+  """Grain source: record i is one chunk, an [n, 3] int32 array of consecutive (input, target, weight) triples
+  of one document, 1 ≤ n ≤ seq_len; weight is 1 where the loss counts the target (always, unless the documents
+  carry a loss mask: then the target token's mask). A document of m tokens has m − 1 pairs, split into
+  ⌈(m − 1) / seq_len⌉ chunks, so no pair ever crosses two documents."""
 
   def __init__(self, docs: Documents, seq_len: int):
     self.docs, self.seq_len = docs, seq_len
@@ -69,14 +71,16 @@ class DocumentChunks:
     """Grain worker processes receive memory-mapped shards as file names, not as copies of the data."""
     portable = lambda a: (a.filename, a.dtype.str) if isinstance(a, np.memmap) else a
     docs = dataclasses.replace(self.docs, tokens=tuple(map(portable, self.docs.tokens)),
-                               offsets=tuple(map(portable, self.docs.offsets)))
+                               offsets=tuple(map(portable, self.docs.offsets)),
+                               masks=self.docs.masks and tuple(map(portable, self.docs.masks)))
     return {**self.__dict__, "docs": docs}
 
   def __setstate__(self, state: dict) -> None:
     mapped = lambda a: np.memmap(a[0], dtype=np.dtype(a[1]), mode="r") if isinstance(a, tuple) else a
     docs = state["docs"]
     state["docs"] = dataclasses.replace(docs, tokens=tuple(map(mapped, docs.tokens)),
-                                        offsets=tuple(map(mapped, docs.offsets)))
+                                        offsets=tuple(map(mapped, docs.offsets)),
+                                        masks=docs.masks and tuple(map(mapped, docs.masks)))
     self.__dict__.update(state)
 
   def __getitem__(self, i: int) -> np.ndarray:
@@ -89,7 +93,11 @@ class DocumentChunks:
     start = begin + c * self.seq_len
     stop = min(start + self.seq_len + 1, end)
     tokens = np.asarray(self.docs.tokens[s][start:stop], dtype=np.int32)
-    return np.stack([tokens[:-1], tokens[1:]], axis=1)
+    if self.docs.masks is None:
+      weight = np.ones(len(tokens) - 1, np.int32)
+    else:
+      weight = np.asarray(self.docs.masks[s][start + 1:stop], dtype=np.int32)
+    return np.stack([tokens[:-1], tokens[1:], weight], axis=1)
 
 
 def byte_documents(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:

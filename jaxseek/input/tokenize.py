@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxseek.errors import UserError
+from jaxseek.input import chat
 from jaxseek.input.sources import BYTE_EOS, byte_documents
 
 # End-of-document tokens tried, in order, when neither --eos nor tokenizer_config.json names one.
@@ -52,6 +53,45 @@ def resolve(name: str, eos: str | None = None) -> Tokenizer:
   if eos is not None and eos_id is None:
     raise UserError(f"--eos {eos!r} is not a token of {path}; pass one of its special tokens")
   return Tokenizer("tokenizer.json", str(path.resolve()), tok.get_vocab_size(with_added_tokens=True), eos_id, eos)
+
+
+def chat_variables(tokenizer: Tokenizer) -> dict[str, str]:
+  """The special-token variables a chat template sees (byte-level: the EOS is the NUL byte)."""
+  return chat.special_tokens(tokenizer.path, "\x00" if tokenizer.kind == "byte" else tokenizer.eos_token)
+
+
+def encode_chat(tokenizer: Tokenizer, rendered: list[tuple[str, list[tuple[int, int]]]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Rendered conversations (text, assistant character spans; chat.render) → (tokens, lengths, mask uint8 per
+  token). The text is tokenised whole and without added special tokens (the template holds its own); mask 1 on
+  the tokens that overlap an assistant span. A document the template did not end with the EOS gets one, trained
+  when the token before it is."""
+  ids, masks = [], []
+  for text, spans in rendered:
+    edges = np.zeros(len(text) + 1, np.int64)
+    for start, end in spans:
+      edges[start] += 1
+      edges[end] -= 1
+    char_mask = np.cumsum(edges)[:-1] > 0
+    if tokenizer.kind == "byte":
+      codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+      widths = 1 + (codes >= 0x80) + (codes >= 0x800) + (codes >= 0x10000)
+      doc = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32)
+      mask = np.repeat(char_mask, widths)
+    else:
+      encoding = _load(tokenizer.path).encode(text, add_special_tokens=False)
+      doc = np.asarray(encoding.ids, np.uint32)
+      covered = np.concatenate([[0], np.cumsum(char_mask)])  # assistant characters before each offset
+      offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+      mask = covered[offsets[:, 1]] > covered[offsets[:, 0]]
+    if tokenizer.eos_id is not None and (not doc.size or doc[-1] != tokenizer.eos_id):
+      doc = np.append(doc, np.uint32(tokenizer.eos_id))
+      mask = np.append(mask, mask[-1] if mask.size else False)
+    ids.append(doc)
+    masks.append(mask.astype(np.uint8))
+  lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+  return (np.concatenate(ids or [np.zeros(0, np.uint32)]), lengths,
+          np.concatenate(masks or [np.zeros(0, np.uint8)]))
 
 
 def encode(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
