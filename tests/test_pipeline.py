@@ -38,18 +38,16 @@ def single_device(name, layers):
 @pytest.mark.parametrize("name, layers, mesh, micro", [
     ("tiny-dense", 4, ("mesh.pipeline=4", "mesh.data=2"), 8),
     ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.data=2"), 8),  # 1 dense layer on every stage, 4 MoE layers piped
-    ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"), 8),
     ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2"), 4),
     # circular: 2 chunks per stage (layers stored out of order, see pipeline.storage_order)
     ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2"), 8),
-    ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2"), 8),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2",
                     "train.pipeline_repeats=2"), 4),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", "train.remat=full"), 1),
     # stacks the stages do not divide: padded with identity layers (5 dense → 6; 5 MoE → 8 in 2 rounds)
     ("tiny-dense", 5, ("mesh.pipeline=2", "mesh.data=4"), 4),
     ("tiny-v3", 6, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), 4),
-], ids=["dense-p4-m8", "v3-p4-m8", "v3-p2d2t2-m8", "v3-p2e2t2-m4", "dense-p4-r2-m8", "v3-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat",
+], ids=["dense-p4-m8", "v3-p4-m8", "v3-p2e2t2-m4", "dense-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat",
         "dense5-p2-padded", "v3-moe5-p2-r2-padded"])
 def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
   """Losses, gradient norms, and per-layer expert loads and bias ranges over 5 steps (so MoE correction biases,
