@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -43,6 +44,20 @@ def summarize(sums: list[dict[str, jax.Array]]) -> dict[str, float]:
   return out
 
 
+IN_FLIGHT = 2  # evaluation batches dispatched ahead of the one being waited for
+
+
+def bounded(step: Callable, batches: list, *args) -> list:
+  """[step(*args, batch) for batch in batches], with at most IN_FLIGHT of them running ahead of the host: enough
+  to keep a device busy, and the XLA CPU runtime deadlocks in its collectives with many programs queued."""
+  out = []
+  for i, batch in enumerate(batches):
+    out.append(step(*args, batch))
+    if i >= IN_FLIGHT:
+      jax.block_until_ready(out[i - IN_FLIGHT])
+  return out
+
+
 class Evaluator:
   """Training's evaluation: the fixed batches (made once) and the eval step (compiled once, on first use)."""
 
@@ -53,7 +68,7 @@ class Evaluator:
   def __call__(self, state: step_lib.TrainState) -> dict[str, float]:
     """The eval metrics of `state` (waits for them); eval_time_s is the time it took."""
     start = time.perf_counter()
-    out = summarize([self.step(state.params, state.biases, batch) for batch in self.batches])
+    out = summarize(bounded(self.step, self.batches, state.params, state.biases))
     return {**out, "eval_time_s": time.perf_counter() - start}
 
 
@@ -116,7 +131,7 @@ def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
 
     compiled = jax.jit(forward).lower(weights, batches[0]).compile()
     start = time.perf_counter()
-    out = summarize([compiled(weights, batch) for batch in batches])
+    out = summarize(bounded(compiled, batches, weights))
   seconds = time.perf_counter() - start
   return {**out, "tokens_per_sec": len(batches) * cfg.train.batch_size * cfg.train.seq_len / seconds,
           "seconds": seconds}

@@ -192,3 +192,21 @@ def test_eval_metrics_reach_the_console_and_prometheus(capsys):
     assert sample("jaxseek_eval_perplexity") == pytest.approx(np.exp(2.0))
   finally:
     prom.close()
+
+
+def test_a_long_evaluation_on_simulated_devices_finishes(tmp_path, run_env):
+  """The default eval.tokens on the tiny model is 170 batches: dispatched all at once, XLA's CPU runtime
+  deadlocks in the all-reduce of one of them (and aborts after 40 s); evaluate.bounded keeps 2 in flight."""
+  import subprocess
+  import sys
+
+  from conftest import CONFIGS
+
+  command = [sys.executable, "-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-dense.yaml"),
+             "data.source=python-stdlib", "data.max_bytes=300000", "train.steps=2", "eval.source=holdout",
+             "eval.holdout=0.2", "eval.every=2", f"train.run_dir={tmp_path}"]
+  proc = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  (record,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_loss" in r]
+  assert record["eval_tokens"] > 0 and np.isfinite(record["eval_loss"])
+  assert load_config("tiny-dense").eval.tokens // (16 * 24) >= 100  # the case this test is about
