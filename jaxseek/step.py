@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from jaxseek.model.transformer import shift_left, target_exists
 from jaxseek.sharding import compression
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding import rules
+from jaxseek.sharding import schedules
 from jaxseek.sharding.rules import param_spec, shard, state_rules
 
 
@@ -220,6 +222,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   batch = step_batch(cfg, batch)
   grad_fn = jax.value_and_grad(objective_fn(trainer, cfg, state, batch, n_micro), has_aux=True)
   gradients = lambda params, batch: accumulated_gradients(grad_fn, params, batch, n_micro)
+  if pipeline_lib.stages() > 1 and cfg.train.pipeline_schedule in schedules.ONE_F_ONE_B:
+    gradients = lambda params, batch: pipelined_gradients(trainer, cfg, state, params, batch)
   residual = state.grad_residual
   if not jax.tree.leaves(residual):
     grads, ce_sum, mtp_sums, balance, loads = gradients(state.params, batch)
@@ -263,36 +267,130 @@ def token_count(mask: jax.Array) -> jax.Array:
   return jnp.maximum(mask.sum(), 1.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class LossNorms:
+  """What turns one microbatch's sums into its share of the objective: the whole batch's token counts (main and
+  per MTP depth), the balance divisor (microbatches × data shards: the balance terms are means over a
+  microbatch's rows) and the loss scale."""
+
+  tokens: jax.Array
+  mtp_tokens: list
+  balance_divisor: int
+  loss_scale: jax.Array
+
+
+def loss_norms(cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array], n_micro: int) -> LossNorms:
+  depth = cfg.model.num_nextn_predict_layers
+  # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
+  data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
+  return LossNorms(token_count(batch["loss_mask"]), [token_count(batch[f"mtp_mask_{k}"]) for k in range(1, depth + 1)],
+                   n_micro * data_shards, state.loss_scale)
+
+
+def loss_terms(cfg: config_lib.Config, model: nnx.Module, h_BTD: jax.Array | None, aux: dict, mb: dict,
+               norms: LossNorms):
+  """(objective · loss scale, (ce_sum, mtp_sums, balance, loads)) of a microbatch from the final hidden state
+  (None: the part of the model before it, with no loss of its own) and the aux entries of the layers it ran."""
+  depth = cfg.model.num_nextn_predict_layers
+  alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
+  balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
+  loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
+  value = alpha * balance / norms.balance_divisor  # balance: a mean over rows
+  ce_sum, mtp_sums = jnp.zeros((), jnp.float32), jnp.zeros((depth if h_BTD is not None else 0,), jnp.float32)
+  if h_BTD is not None:
+    head_DV = model.head()
+    ce = lambda h, targets, mask: loss_lib.cross_entropy_sum(h, head_DV, targets, mask, cfg.train.loss_impl)
+    ce_sum = ce(h_BTD, mb["targets"], mb["loss_mask"])
+    if depth:
+      mtp_sums = jnp.stack([ce(aux["mtp_hidden"][k - 1], mb[f"mtp_targets_{k}"], mb[f"mtp_mask_{k}"])
+                            for k in range(1, depth + 1)])
+      value += mtp_weight / depth * sum(mtp_sums[k] / norms.mtp_tokens[k] for k in range(depth))
+    value += ce_sum / norms.tokens
+  return value * norms.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
+
+
+def mtp_arrays(cfg: config_lib.Config, mb: dict[str, jax.Array]) -> tuple[list, list]:
+  """What the multi-token-prediction depths read: their input tokens and where they have a target."""
+  depth = cfg.model.num_nextn_predict_layers
+  return [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)], [mb[f"mtp_valid_{k}"] for k in range(1, depth + 1)]
+
+
 def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array],
                  n_micro: int) -> Callable:
   """(params, microbatch) → (objective · loss scale, (ce_sum, mtp_sums, balance, loads)); the token counts that
   normalise the losses are the whole batch's."""
-  depth = cfg.model.num_nextn_predict_layers
-  n_tokens = token_count(batch["loss_mask"])
-  n_mtp = [token_count(batch[f"mtp_mask_{k}"]) for k in range(1, depth + 1)]
-  alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
-  # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
-  data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
+  norms = loss_norms(cfg, state, batch, n_micro)
 
   def objective(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
-    mtp_inputs = [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
-    mtp_valid = [mb[f"mtp_valid_{k}"] for k in range(1, depth + 1)]
-    h_BTD, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), mtp_inputs, mtp_valid,
+    h_BTD, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), *mtp_arrays(cfg, mb),
                                logits=False)
-    head_DV = model.head()
-    ce = lambda h, targets, mask: loss_lib.cross_entropy_sum(h, head_DV, targets, mask, cfg.train.loss_impl)
-    ce_sum = ce(h_BTD, mb["targets"], mb["loss_mask"])
-    mtp_sums = jnp.stack([ce(aux["mtp_hidden"][k - 1], mb[f"mtp_targets_{k}"], mb[f"mtp_mask_{k}"])
-                          for k in range(1, depth + 1)]) if depth else jnp.zeros((0,))
-    balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
-    loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
-    value = ce_sum / n_tokens + alpha * balance / (n_micro * data_shards)  # balance: a mean over rows
-    if depth:
-      value += mtp_weight / depth * sum(mtp_sums[k] / n_mtp[k] for k in range(depth))
-    return value * state.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
+    return loss_terms(cfg, model, h_BTD, aux, mb, norms)
 
   return objective
+
+
+def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainState, params,
+                        batch: dict[str, jax.Array]):
+  """(grads, ce_sum, mtp_sums, balance, loads) of `batch` with a 1F1B schedule (sharding/schedules.py): the
+  embedding and the layers before the pipelined stack run on the whole batch and get their gradients from the
+  schedule's input cotangents; the pipelined stack runs chunk by chunk inside it; the layers after it, the head
+  and the loss run per microbatch on the last stage, inside it."""
+  S, M = pipeline_lib.stages(), cfg.train.microbatches
+  name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
+  n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
+  table = schedules.one_f_one_b(S, M, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
+  norms = loss_norms(cfg, state, batch, M)
+  whole = dataclasses.replace(norms, balance_divisor=norms.balance_divisor // M)  # the part before: one batch
+  model = nnx.merge(trainer.graphdef, params, state.biases)
+  stack = getattr(model, name)
+  setattr(model, name, None)  # the rest of the model: what runs outside the stack
+  rest_graphdef, rest_params, rest_other = nnx.split(model, nnx.Param, ...)
+  blocks_graphdef, stack_params, stack_consts = nnx.split(stack.blocks, nnx.Param, ...)
+  order = pipeline_lib.STACKS
+  before, after = order[:order.index(name)], order[order.index(name) + 1:]
+  rest = lambda p: nnx.merge(rest_graphdef, p, rest_other)
+
+  def pre(p):
+    m = rest(p)
+    x_BTD, positions_BT, valid_BT = m.begin(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    x_BTD, aux = m.run_stacks(x_BTD, positions_BT, batch.get("segment_ids"), valid_BT, before)
+    value, (_, _, balance, loads) = loss_terms(cfg, m, None, aux, batch, whole)
+    return (x_BTD, value), (balance, loads)
+
+  def post(p, y_bTD, mb):
+    m = rest(p)
+    valid_bT = (mb["segment_ids"] > 0).astype(jnp.float32)
+    y_bTD, aux = m.run_stacks(y_bTD, mb["positions"], mb["segment_ids"], valid_bT, after)
+    h_bTD, aux = m.finish(y_bTD, aux, mb["inputs"], mb["positions"], mb["segment_ids"], valid_bT,
+                          *mtp_arrays(cfg, mb), logits=False)
+    return loss_terms(cfg, m, h_bTD, aux, mb, norms)
+
+  body = remat_lib.wrap(lambda x, layer_p, layer_c, side: nnx.merge(blocks_graphdef, layer_p, layer_c)(x, *side),
+                        cfg.train.remat)
+
+  def stage(x_bTD, chunk_p, chunk_c, side):
+    return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c))
+
+  (x_BTD, _), pre_vjp, (pre_balance, pre_loads) = jax.vjp(pre, rest_params, has_aux=True)
+  batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(
+      jnp.arange(batch["inputs"].shape[1], dtype=jnp.int32), batch["inputs"].shape)))
+  split = lambda tree: jax.tree.map(lambda a: pipeline_lib.split_microbatches(a, M), tree)
+  valid = (batch["segment_ids"] > 0).astype(jnp.float32)
+  side_M = split((batch["positions"], batch["segment_ids"], valid))
+  B = batch["inputs"].shape[0]
+  alpha = cfg.model.aux_loss_alpha * state.loss_scale / (B * norms.balance_divisor // M)
+  g_x_MbTD, g_stack, g_post, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run_1f1b(
+      table, stage, stack_params, stack_consts, split(x_BTD), side_M, post, rest_params, split(batch),
+      {"balance": alpha}, ("balance",))
+  (g_pre,) = pre_vjp((pipeline_lib.merge_microbatches(g_x_MbTD), state.loss_scale))
+  g_rest = jax.tree.map(lambda a, b: (a + b).astype(a.dtype), g_pre, g_post)
+  grads = nnx.merge_state(g_rest, nnx.State({name: nnx.State({"blocks": g_stack})}))
+  stage_aux = pipeline_lib.zero_padding_rows(stage_aux, stored=jax.tree.leaves(stack_params)[0].shape[0],
+                                             num_layers=n_layers)
+  balance = pre_balance + post_balance / M + (stage_aux["balance"].sum() / B if "balance" in stage_aux else 0.0)
+  loads = {**pre_loads, **post_loads, **{k: v for k, v in stage_aux.items() if k != "balance"}}
+  return grads, ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads
 
 
 def accumulated_gradients(grad_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
@@ -438,10 +536,8 @@ def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Ar
   has it. Nothing is updated (no optimiser, no correction-bias step)."""
   depth = cfg.model.num_nextn_predict_layers
   batch = step_batch(cfg, batch)
-  mtp_inputs = [batch[f"mtp_inputs_{k}"] for k in range(1, depth + 1)]
-  mtp_valid = [batch[f"mtp_valid_{k}"] for k in range(1, depth + 1)]
-  h_BTD, aux = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), mtp_inputs,
-                             mtp_valid, logits=False)
+  h_BTD, aux = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                             *mtp_arrays(cfg, batch), logits=False)
   head_DV = model.head()
   ce = lambda h, targets, mask: loss_lib.cross_entropy_sum(h, head_DV, targets, mask, cfg.train.loss_impl)
   out = {"ce_sum": ce(h_BTD, batch["targets"], batch["loss_mask"]), "tokens": batch["loss_mask"].sum()}

@@ -159,16 +159,34 @@ class Transformer(nnx.Module):
     when the sequence is stored in token order). `mtp_valid[k-1]`: where depth k has a target (1.0) — only
     those positions count in its MoE loads and balance loss (default: i+k is a real token of i's document).
     """
+    x_BTD, positions_BT, valid_BT = self.begin(tokens_BT, positions_BT, segment_ids_BT)
+    x_BTD, aux = self.run_stacks(x_BTD, positions_BT, segment_ids_BT, valid_BT, pipeline.STACKS)
+    return self.finish(x_BTD, aux, tokens_BT, positions_BT, segment_ids_BT, valid_BT, mtp_tokens, mtp_valid, logits)
+
+  # The forward in three parts, so that a pipeline schedule can run the stack it pipelines between them.
+
+  def begin(self, tokens_BT: jax.Array, positions_BT: jax.Array | None, segment_ids_BT: jax.Array | None):
+    """(embeddings, positions, valid): the stacks' input and what every layer reads beside it."""
     B, T = tokens_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     valid_BT = jnp.ones((B, T), jnp.float32) if segment_ids_BT is None else (segment_ids_BT > 0).astype(jnp.float32)
-    x_BTD = self.embed(tokens_BT)
+    return self.embed(tokens_BT), positions_BT, valid_BT
+
+  def run_stacks(self, x_BTD, positions_BT, segment_ids_BT, valid_BT, names) -> tuple[jax.Array, dict]:
+    """The layer stacks `names` (those the model has), in order; their aux entries merged."""
     aux: dict[str, jax.Array] = {}
-    for stack in (self.dense_layers, self.moe_layers):
+    for name in names:
+      stack = getattr(self, name)
       if stack is not None:
         x_BTD, layer_aux = stack(x_BTD, positions_BT, segment_ids_BT, valid_BT)
         aux.update(layer_aux)
+    return x_BTD, aux
+
+  def finish(self, x_BTD, aux, tokens_BT, positions_BT, segment_ids_BT, valid_BT, mtp_tokens=None, mtp_valid=None,
+             logits: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The final norm, multi-token prediction and (with `logits`) the head, on the last stack's output."""
+    aux = dict(aux)
     h_BTD = self.final_norm(x_BTD)
     aux["hidden"] = h_BTD
     mtp = [], [], [], []

@@ -42,7 +42,7 @@ from jaxseek.sharding.rules import shard
 AXIS = "pipeline"
 
 
-STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks, leading axis "layers"
+STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (leading axis "layers"), in order
 
 
 def stages() -> int:
@@ -158,6 +158,12 @@ def stack_sizes(model_cfg) -> dict[str, int]:
   return {"dense_layers": model_cfg.num_dense_layers, "moe_layers": model_cfg.num_moe_layers}
 
 
+def pipelined_stack(model_cfg, num_stages: int, repeats: int) -> str:
+  """The one stack a 1F1B schedule pipelines (the other runs on every stage, before or after it)."""
+  sizes = {k: n for k, n in stack_sizes(model_cfg).items() if stack_repeats(n, num_stages, repeats)}
+  return max(sizes, key=sizes.get)
+
+
 def check_stacks(cfg: Config, stages: int) -> None:
   """Refuses a pipeline longer than every layer stack (nothing would be pipelined), and repeats no stack can make
   (each stage would need R chunks of at least one layer)."""
@@ -166,6 +172,11 @@ def check_stacks(cfg: Config, stages: int) -> None:
   if stages > 1 and not any(stack_repeats(n, stages, 1) for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key mesh.pipeline: {stages} stages split neither layer stack {counts}; a stack is "
                     f"split when the stage count divides it or it has at least twice as many layers")
+  piped = [n for n in (m.num_dense_layers, m.num_moe_layers) if stages > 1 and stack_repeats(n, stages, R)]
+  if cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b") and len(piped) > 1:
+    raise UserError(f"config key train.pipeline_schedule: {cfg.train.pipeline_schedule} pipelines one layer stack, "
+                    f"and {stages} stages split both {counts}; choose a stage count that splits only the larger "
+                    f"stack, or the gpipe schedule")
   if stages > 1 and R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key train.pipeline_repeats: {R} repeats x {stages} stages exceed both layer stacks "
                     f"{counts}; choose R with mesh.pipeline x R at most the larger stack's layer count, or 1")
@@ -254,7 +265,7 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
   # the output is on every stage; from here on each stage takes its share of the batch again (rows of every
   # microbatch split over pipeline × data × …, which after merging is the batch's own split)
   out_MbTD = shard(out_MbTD, (None, "batch", "length", "embed"))
-  return merge_microbatches(out_MbTD), _zero_padding_rows(aux, jax.tree.leaves(layer_state)[0].shape[0], num_layers)
+  return merge_microbatches(out_MbTD), zero_padding_rows(aux, jax.tree.leaves(layer_state)[0].shape[0], num_layers)
 
 
 def work_item(k: jax.Array, S: int, M: int, R: int, items: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -273,7 +284,7 @@ def finish_ticks(S: int, M: int, R: int) -> np.ndarray:
   return S - 1 + ((m // S) * R * S + (R - 1) * S + m % S if R > 1 else m)
 
 
-def _zero_padding_rows(aux: dict, stored: int, num_layers: int | None) -> dict:
+def zero_padding_rows(aux: dict, stored: int, num_layers: int | None) -> dict:
   """aux with the rows of identity padding layers (from `num_layers` on) zeroed."""
   if num_layers is None or num_layers >= stored:
     return aux

@@ -19,8 +19,15 @@ not by the number of microbatches. Ticks with no work in a slot skip it (a condi
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+AXIS = "pipeline"
+ONE_F_ONE_B = ("1f1b", "interleaved_1f1b")  # the train.pipeline_schedule values run_1f1b runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +97,109 @@ def one_f_one_b(S: int, M: int, R: int = 1) -> Table:
       table["fm"][t_f, s], table["fr"][t_f, s], table["fs"][t_f, s] = m, r, k % slots
       table["bm"][t_b, s], table["br"][t_b, s], table["bs"][t_b, s] = m, r, k % slots
   return Table(S, M, R, table["fm"], table["fr"], table["fs"], table["bm"], table["br"], table["bs"], slots)
+
+
+def run_1f1b(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: jax.Array, side_M,
+             post_fn: Callable, post_params, post_M, aux_cotangent: dict[str, float], per_row: tuple[str, ...]):
+  """The forward and backward of a pipelined stack and of the model after it, interleaved as `table` says.
+
+  stage_fn(x_bTD, chunk_params, chunk_consts, side_b) → (y_bTD, aux) runs one chunk of C layers (`stage_params`
+  and `stage_consts` leaves are [L, ...] in storage order, sharded on `pipeline`; aux leaves lead with C);
+  post_fn(post_params, y_bTD, post_b) → (value, stats) is the rest of the objective for one microbatch (already
+  multiplied by the loss scale). Each aux entry k enters the objective as aux_cotangent[k] · its sum (0 when
+  absent); entries named in `per_row` are per-sequence [C, b] and are summed over rows here.
+
+  Returns (g_x_MbTD, g_stage_params, g_post_params, stats summed over microbatches, aux summed over
+  microbatches [L, ...]): the cotangent of the schedule's input, the gradients, and what the loss reported.
+  """
+  S, M, R = table.stages, table.microbatches, table.repeats
+  steps = jnp.asarray(np.stack([table.f_micro, table.f_chunk, table.f_slot, table.b_micro, table.b_chunk,
+                                table.b_slot]))  # [6, ticks, S]
+  at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+
+  def per_stage(sp, sc, x_MbTD, side_M, pp, post_M):
+    s = jax.lax.axis_index(AXIS)
+    by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), tree)
+    sp_R, sc_R = by_chunk(sp), by_chunk(sc)
+
+    def forward(x, r, m):
+      return stage_fn(x, at(sp_R, r), at(sc_R, r), at(side_M, m))
+
+    y_shape, aux_shape = jax.eval_shape(forward, x_MbTD[0], 0, 0)
+    rows = {k: k in per_row for k in aux_shape}
+    summed = lambda aux: {k: a.sum(-1) if rows[k] else a for k, a in aux.items()}
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+    stats_shape = jax.eval_shape(lambda: post_fn(pp, x_MbTD[0], at(post_M, 0))[1])
+
+    def post_grad(y, m):
+      (_, stats), vjp = _vjp_with_aux(post_fn, pp, y, at(post_M, m))
+      g_pp, g_y = vjp(jnp.ones((), jnp.float32))
+      return g_y, g_pp, stats
+
+    def backward(x, r, m, g_y):
+      def f(x, p):
+        return stage_fn(x, p, at(sc_R, r), at(side_M, m))
+
+      (_, aux), vjp = jax.vjp(f, x, at(sp_R, r))
+      g_aux = {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}
+      return vjp((g_y, g_aux))
+
+
+    def tick(carry, t):
+      held_f, held_b, buf, g_sp, g_pp, stats, aux_acc, g_x = carry
+      fm, fr, fs, bm, br, bs = (steps[i, t, s] for i in range(6))
+      has_f, has_b = fm >= 0, bm >= 0
+      fm, fr, fs, bm, br, bs = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs))
+      x_in = jnp.where((fr == 0) & (s == 0), x_MbTD[fm], held_f)
+      y, aux = jax.lax.cond(has_f, lambda: forward(x_in, fr, fm), lambda: (zeros(y_shape), zeros(aux_shape)))
+      buf = buf.at[fs].set(jnp.where(has_f, x_in, buf[fs]))
+      aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
+                             summed(aux))
+      last = has_f & (fr == R - 1) & (s == S - 1)  # the microbatch leaves the stack: its loss, its backward
+      g_y, g_pp_m, stats_m = jax.lax.cond(last, lambda: post_grad(y, fm),
+                                          lambda: (zeros(y_shape), zeros(pp), zeros(stats_shape)))
+      g_pp = jax.tree.map(jnp.add, g_pp, g_pp_m)
+      stats = jax.tree.map(jnp.add, stats, stats_m)
+      g_in = jnp.where((br == R - 1) & (s == S - 1), g_y, held_b)
+      g_xb, g_chunk = jax.lax.cond(has_b, lambda: backward(buf[bs], br, bm, g_in),
+                                   lambda: (zeros(y_shape), zeros(at(sp_R, 0))))
+      g_sp = jax.tree.map(lambda acc, g: acc.at[br].add(g), g_sp, g_chunk)
+      g_x = g_x.at[bm].set(jnp.where(has_b & (br == 0) & (s == 0), g_xb, g_x[bm]))
+      held_f = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % S) for i in range(S)])
+      held_b = jax.lax.ppermute(g_xb, AXIS, [(i, (i - 1) % S) for i in range(S)])
+      return (held_f, held_b, buf, g_sp, g_pp, stats, aux_acc, g_x), None
+
+    x0 = jnp.zeros_like(x_MbTD[0])
+    init = (x0, x0, jnp.zeros((table.slots, *x0.shape), x0.dtype), zeros(sp_R),
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), pp), zeros(stats_shape),
+            zeros(jax.eval_shape(lambda: jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype),
+                                                      summed(zeros(aux_shape))))),
+            jnp.zeros_like(x_MbTD))
+    carry, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
+    _, _, _, g_sp, g_pp, stats, aux_acc, g_x = carry
+    shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
+    g_sp = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), g_sp)
+    aux_acc = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_acc)
+    return shared(g_x), g_sp, shared(g_pp), shared(stats), aux_acc
+
+  g_x, g_sp, g_pp, stats, aux = jax.shard_map(
+      per_stage, in_specs=(P(AXIS), P(AXIS), P(), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS},
+      check_vma=False)(stage_params, stage_consts, x_MbTD, side_M, post_params, post_M)
+  total = lambda tree: jax.tree.map(lambda a: a.sum(0), tree)
+  return total(g_x), g_sp, total(g_pp), total(stats), aux
+
+
+def _vjp_with_aux(fn, params, h, inputs):
+  """((value, stats), vjp) of fn(params, h, inputs) → (value, stats), differentiating value in params and h.
+  The stats are outputs of the differentiated function with zero cotangents, not auxiliary outputs: the SPMD
+  partitioner fails on a tensor-parallel sum that leaves a vjp as aux inside the pipeline's shard_map."""
+  (value, stats), vjp = jax.vjp(lambda p, x: fn(p, x, inputs), params, h)
+  zero = jax.tree.map(lambda a: _cotangent(a, 0.0), stats)
+  return (value, stats), lambda g: vjp((g, zero))
+
+
+def _cotangent(a: jax.Array, scale: float):
+  """The cotangent of an aux output that enters the objective as scale · its sum."""
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    return np.zeros(a.shape, jax.dtypes.float0)
+  return jnp.full(a.shape, scale, a.dtype)
