@@ -183,7 +183,7 @@ def check_stacks(cfg: Config, stages: int) -> None:
 
 
 def summary(cfg: Config, stages: int) -> str:
-  """One line: the schedule, its bubble, and which layer stacks are pipelined."""
+  """One line: the schedule, its bubble, what it keeps alive, and which layer stacks are pipelined."""
   m, M, R = cfg.model, cfg.train.microbatches, cfg.train.pipeline_repeats
   stacks, rounds = [], set()
   for name, n in (("dense", m.num_dense_layers), ("MoE", m.num_moe_layers)):
@@ -195,11 +195,21 @@ def summary(cfg: Config, stages: int) -> str:
                     f"{name} stack {stored_layers(n, stages, R) // stages} layers per stage" +
                     (f" in {r} chunks" if r > 1 else "") + (f" ({padding} identity padding)" if padding else ""))
   r = max(rounds)
-  schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
   formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
-  return (f"pipeline: {stages} stages x {M} microbatches ({schedule}), bubble {formula} = "
-          f"{100 * bubble_fraction(stages, M, r):.1f}% | {', '.join(stacks)}; embedding, head and "
-          f"MTP on every stage")
+  if cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b"):
+    from jaxseek.sharding import schedules
+
+    table = schedules.one_f_one_b(stages, M, r)
+    schedule = "1F1B" if r <= 1 else f"interleaved 1F1B, {r} chunks"
+    keeps = (f"{table.slots} microbatch stage inputs kept per stage, layers recomputed in the backward; head and "
+             f"loss on the last stage")
+    bubble = 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 else table.bubble()
+  else:
+    schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
+    keeps = "all microbatches' activations kept until the backward; embedding, head and MTP on every stage"
+    bubble = bubble_fraction(stages, M, r)
+  return (f"pipeline: {stages} stages x {M} microbatches ({schedule}), bubble {formula} = {100 * bubble:.1f}% | "
+          f"{', '.join(stacks)}; {keeps}")
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
