@@ -207,7 +207,8 @@ def _activations(cfg, sizes, micro, passes):
 
 def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dict[str, float]:
   """FLOPs per device per step, the time at peak, and the pipeline bubble's share (the pipelined stacks'
-  compute stretched by ticks / (R·M))."""
+  compute stretched by ticks / (R·M)); under 1F1B the pipelined stacks' forward runs twice (recomputed in the
+  backward) unless train.remat=full already counts it."""
   from jaxseek.sharding import pipeline as pipeline_lib
 
   cfg = model.cfg
@@ -218,12 +219,21 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
   seconds = per_device / (hw.peak_tflops * 1e12)
   S, M, m = sizes["pipeline"], cfg.train.microbatches, cfg.model
   bubble = 0.0
+  one_f_one_b = cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b")
   for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers)):
     if ex.pipelined(cfg, stack, S):
       R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
       share = n / max(m.num_hidden_layers, 1)  # of the step's layer compute (the head counted with the rest)
       padded = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) / n  # identity padding runs too
-      bubble += seconds * share * (pipeline_lib.num_ticks(S, M, R) / (R * M) * padded - 1)
+      if one_f_one_b:
+        from jaxseek.sharding import schedules
+
+        stretch = 1 / (1 - schedules.one_f_one_b(S, M, R).bubble())
+        if cfg.train.remat != "full":  # 1F1B recomputes each chunk's forward in its backward
+          seconds += seconds * share * padded / 3
+      else:
+        stretch = pipeline_lib.num_ticks(S, M, R) / (R * M)
+      bubble += seconds * share * (stretch * padded - 1)
   return {"flops_per_device": per_device, "time_s": seconds, "bubble_s": bubble}
 
 

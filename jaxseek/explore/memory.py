@@ -170,6 +170,12 @@ def head_tensors(cfg: Config, batch: int, sizes: dict[str, int] | None = None) -
                  ("batch", "length", "vocab"), 4, 2)]
 
 
+def stage_input(cfg: Config, batch: int, platform: str) -> Tensor:
+  """A pipeline stage's input for one microbatch: the residual stream [b, T, D]."""
+  return Tensor("stage input", "x", "attention", "BTD", (batch, cfg.train.seq_len, cfg.model.hidden_size),
+                ("batch", "residual_length", "embed"), activation_itemsize(cfg, platform), 1)
+
+
 def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str,
                   batch: int | None = None) -> list[Tensor]:
   """Everything one decoder layer keeps for one run on `batch` rows (default: one microbatch)."""
@@ -225,7 +231,9 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   out = {"parameters": state["params"] + state["biases"], "optimizer": state["opt_state"], "other": state["other"],
          "gradients": state["params"] * (2 if M > 1 and S == 1 else 1)}
   inner = {**sizes, "pipeline": 1}  # inside the schedule microbatch rows are not split over the stages
-  runs = []  # (layer runs, moe, batch, sizes)
+  one_f_one_b = S > 1 and cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b")
+  runs, kept = [], 0  # (layer runs, moe, batch, sizes); bytes of 1F1B's kept stage inputs
+  after = False  # under 1F1B the stack after the pipelined one, MTP and the head run per microbatch inside it
   for stack, moe in (("dense_layers", False), ("moe_layers", True)):
     n = getattr(cfg.model, "num_moe_layers" if moe else "num_dense_layers")
     if not n:
@@ -233,13 +241,23 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
     if ex.pipelined(cfg, stack, S):
       R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
       chunk = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) // (S * R)  # padding included
-      runs.append((pipeline_lib.num_ticks(S, M, R) * chunk, moe, B // M, inner))
+      if one_f_one_b:  # the inputs of 2RS − 1 chunk runs kept, one chunk's backward (its forward recomputed)
+        from jaxseek.sharding import schedules
+
+        kept = schedules.one_f_one_b(S, M, R).slots * stage_input(cfg, B // M, platform).bytes(inner)
+        kept += 2 * stage_input(cfg, B, platform).bytes(inner)  # the schedule's input and its cotangent
+        runs.append((chunk, moe, B // M, inner))
+        after = True
+      else:
+        runs.append((pipeline_lib.num_ticks(S, M, R) * chunk, moe, B // M, inner))
     else:
-      runs.append((n, moe, B if S > 1 else B // M, sizes))
+      runs.append((n, moe, B // M, inner) if after else (n, moe, B if S > 1 else B // M, sizes))
   outer_batch = B if S > 1 else B // M
-  runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, outer_batch, sizes))
-  head = _split(head_tensors(cfg, outer_batch, sizes), sizes)[0]
+  tail = (B // M, inner) if one_f_one_b else (outer_batch, sizes)
+  runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, *tail))
+  head = _split(head_tensors(cfg, *tail), sizes)[0]
   out.update(_activations(cfg, [r for r in runs if r[0]], head, platform))
+  out["activations"] += kept
   if cfg.train.grad_compression != "none" and sizes["data"] > 1:  # the error-feedback residual, float32
     out["gradients"] += state["params"] * 4 // ITEMSIZE[cfg.train.param_dtype]
   out["gathered_weights"] = gathered_weights(model, sizes)
