@@ -575,9 +575,6 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
     raise UserError(f"config key train.seq_len: {cfg.train.seq_len} tokens do not split into 2 × mesh.context = "
                     f"{2 * sizes['context']} chunks for model.context_attention=zigzag; change the sequence length")
   shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-  if shards > 0 and sizes["pipeline"] > 1 and cfg.train.batch_size % (shards * sizes["pipeline"]):
-    raise UserError(f"config key train.batch_size: {cfg.train.batch_size} sequences is not divisible by the batch "
-                    f"shards outside the pipeline pipeline × data × fsdp × expert = {shards * sizes['pipeline']}")
   if shards > 0 and (cfg.train.batch_size // cfg.train.microbatches) % shards:
     raise UserError(f"config key train.batch_size: {cfg.train.batch_size} sequences / {cfg.train.microbatches} "
                     f"microbatches is not divisible by the batch shards data × fsdp × expert = {shards}")

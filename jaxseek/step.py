@@ -520,10 +520,11 @@ def update_bias(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Arra
 def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
   """The jitted step: state and batch in their shardings, state donated."""
   def step(state, batch):
-    with rules.sequence_parallel(cfg.mesh.sequence_parallel):  # the activation rules the step is traced with
+    # the activation rules the step is traced with
+    with rules.sequence_parallel(cfg.mesh.sequence_parallel), pipeline_lib.batch_rules(cfg, dict(mesh.shape)):
       return train_step(trainer, cfg, state, batch)
 
-  return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.pipeline.batch_shardings(mesh)),
+  return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.pipeline.batch_shardings(mesh, cfg)),
                  out_shardings=(trainer.state_shardings, None), donate_argnums=0)
 
 
@@ -570,8 +571,9 @@ def eval_sums_accumulated(model_fn: Callable[[], nnx.Module], cfg: config_lib.Co
 def compile_eval(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
   """(params, biases, batch) → eval_sums, jitted once with the train state's and the batch's shardings."""
   def evaluate(params, biases, batch):
-    with rules.sequence_parallel(cfg.mesh.sequence_parallel):
+    with rules.sequence_parallel(cfg.mesh.sequence_parallel), pipeline_lib.batch_rules(cfg, dict(mesh.shape)):
       return eval_sums_accumulated(lambda: nnx.merge(trainer.graphdef, params, biases), cfg, batch)
 
   shardings = trainer.state_shardings
-  return jax.jit(evaluate, in_shardings=(shardings.params, shardings.biases, input_lib.pipeline.batch_shardings(mesh)))
+  return jax.jit(evaluate, in_shardings=(shardings.params, shardings.biases,
+                                         input_lib.pipeline.batch_shardings(mesh, cfg)))

@@ -86,7 +86,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
   if mesh.shape["pipeline"] > 1:
-    _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"]))
+    _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"], dict(mesh.shape)))
   evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)

@@ -317,3 +317,24 @@ def test_json_schema_and_user_errors(tmp_path, capsys):
     assert plot == 0 and (tmp_path / "p.png").stat().st_size > 1000
   except ImportError:
     assert plot == 2 and err.count("\n") == 1 and "matplotlib" in err
+
+
+def test_deepseek_v3_published_layout_and_batch():
+  """DeepSeek-V3's training layout (16 stages × 64-way expert × 2 data = 2,048 GPUs) with its batch of 15,360
+  sequences, which 2,048 does not divide: the explorer plans it with the parts outside the schedule split over
+  expert × data only, and says so; a 1F1B schedule keeps 2S − 1 microbatch inputs per stage. It does not fit:
+  the 3 dense layers run outside the schedule on all 120 sequences of a replica (DeepSeek ran them in the
+  first stage, per microbatch)."""
+  overrides = ("mesh.pipeline=16", "mesh.expert=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
+               "train.batch_size=15360", "train.microbatches=120", "train.seq_len=4096")
+  plans = {}
+  for schedule in ("gpipe", "1f1b"):
+    cfg = load_config("deepseek-v3-671b", *overrides, f"train.pipeline_schedule={schedule}")
+    sizes = explore.mesh_sizes(cfg, None)
+    plans[schedule] = explore.plan(explore.describe(cfg), sizes, explore.hardware("h800-80g"))
+  assert plans["1f1b"]["devices"] == 2048
+  assert "is not divisible by pipeline x data x fsdp x expert = 2048" in plans["1f1b"]["pipeline"]
+  assert "31 microbatch stage inputs kept per stage" in plans["1f1b"]["pipeline"]
+  assert "all microbatches' activations kept" in plans["gpipe"]["pipeline"]
+  for plan in plans.values():  # the 3 dense layers outside the schedule hold a whole replica batch's activations
+    assert plan["memory_per_device"]["activations"] > 100 * 2**30 and not plan["memory"]["fits"]

@@ -299,3 +299,18 @@ def test_explorer_accounts_for_the_1f1b_schedule():
   assert estimate("1f1b", 16) < 0.25 * estimate("gpipe", 16)
   compiled = compiled_temp_bytes("1f1b", 16)
   assert 0.5 < estimate("1f1b", 16) / compiled < 2, (estimate("1f1b", 16), compiled)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_batch_only_the_data_axes_divide_trains_on_a_pipeline(schedule):
+  """6 sequences on pipeline 2 × data 2 × tensor 2 (6 is not a multiple of 4): outside the schedule the batch is
+  split over data alone, every stage on the same rows, and training equals one device's."""
+  mesh = ("mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.batch_size=6", "train.microbatches=3",
+          f"train.pipeline_schedule={schedule}")
+  got = run("tiny-dense", (*mesh, "model.num_hidden_layers=4"))
+  want = run("tiny-dense", ("mesh.data=1", "train.batch_size=6", "model.num_hidden_layers=4"), jax.devices()[:1])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  sizes = dict(pipeline=2, data=2, fsdp=1, expert=1, context=1, tensor=2)
+  line = pipeline.summary(load_config("tiny-dense", *mesh), 2, sizes)
+  assert "train.batch_size=6 is not divisible by pipeline x data x fsdp x expert = 4" in line
+  assert "split over data x fsdp x expert = 2 only" in line

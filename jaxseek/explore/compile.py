@@ -90,7 +90,7 @@ def abstract_batch(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
   shape = (cfg.train.batch_size, cfg.train.seq_len)
   dtypes = {"loss_mask": jnp.float32}
   return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=s)
-          for k, s in batch_shardings(mesh).items() if k in BATCH_KEYS}
+          for k, s in batch_shardings(mesh, cfg).items() if k in BATCH_KEYS}
 
 
 def count_collectives(text: str, mesh_shape: tuple[int, ...]) -> dict[str, dict[str, int]]:

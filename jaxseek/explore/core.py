@@ -115,7 +115,7 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       "mtp_parameters": model.mtp_parameters,
       "mesh": dict(sizes),
       "devices": math.prod(sizes.values()),
-      "pipeline": pipeline_lib.summary(cfg, sizes["pipeline"]) if sizes["pipeline"] > 1 else "none",
+      "pipeline": pipeline_lib.summary(cfg, sizes["pipeline"], sizes) if sizes["pipeline"] > 1 else "none",
       "train": {"batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
                 "pipeline_repeats": t.pipeline_repeats,
                 "remat": t.remat, "compute_dtype": t.compute_dtype, "param_dtype": t.param_dtype,

@@ -231,6 +231,7 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   out = {"parameters": state["params"] + state["biases"], "optimizer": state["opt_state"], "other": state["other"],
          "gradients": state["params"] * (2 if M > 1 and S == 1 else 1)}
   inner = {**sizes, "pipeline": 1}  # inside the schedule microbatch rows are not split over the stages
+  outer = sizes if pipeline_lib.splits_batch(cfg, sizes) else inner  # nor outside, when the batch is not split
   one_f_one_b = S > 1 and cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b")
   runs, kept = [], 0  # (layer runs, moe, batch, sizes); bytes of 1F1B's kept stage inputs
   after = False  # under 1F1B the stack after the pipelined one, MTP and the head run per microbatch inside it
@@ -251,9 +252,9 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
       else:
         runs.append((pipeline_lib.num_ticks(S, M, R) * chunk, moe, B // M, inner))
     else:
-      runs.append((n, moe, B // M, inner) if after else (n, moe, B if S > 1 else B // M, sizes))
+      runs.append((n, moe, B // M, inner) if after else (n, moe, B if S > 1 else B // M, outer))
   outer_batch = B if S > 1 else B // M
-  tail = (B // M, inner) if one_f_one_b else (outer_batch, sizes)
+  tail = (B // M, inner) if one_f_one_b else (outer_batch, outer)
   runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, *tail))
   head = _split(head_tensors(cfg, *tail), sizes)[0]
   out.update(_activations(cfg, [r for r in runs if r[0]], head, platform))

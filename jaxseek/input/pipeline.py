@@ -11,6 +11,7 @@ processes) → GlobalBatches: jax.make_array_from_process_local_data in the batc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -78,7 +79,7 @@ def eval_batches(cfg: Config, mesh: Mesh) -> list[dict[str, jax.Array]]:
   packs (data.seed, from stream position 0), made once as global arrays on the mesh."""
   ecfg = eval_config(cfg)
   B, T = cfg.train.batch_size, cfg.train.seq_len
-  shardings = batch_shardings(mesh)
+  shardings = batch_shardings(mesh, cfg)
   layout = data_layout(shardings["inputs"], (B, T))
   docs = open_sources(ecfg, "eval")
   it = iter(make_dataset(ecfg, layout.shard_index, layout.shard_count, rows=layout.rows, docs=docs))
@@ -165,8 +166,12 @@ def _parse_absl_flags() -> None:
     flags.FLAGS(sys.argv[:1])
 
 
-def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-  return {k: NamedSharding(mesh, activation_spec(names)) for k, names in BATCH_NAMES.items()}
+def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict[str, NamedSharding]:
+  """The global batch's shardings (with `cfg`: over the stages too only where the pipeline splits the batch)."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
+  with pipeline_lib.batch_rules(cfg, dict(mesh.shape)) if cfg is not None else contextlib.nullcontext():
+    return {k: NamedSharding(mesh, activation_spec(names)) for k, names in BATCH_NAMES.items()}
 
 
 def data_layout(sharding: NamedSharding, global_shape: tuple[int, int]) -> Layout:
@@ -203,7 +208,7 @@ class GlobalBatches:
   state (get_state / set_state, grain.checkpoint.CheckpointSave / CheckpointRestore) resumes it exactly."""
 
   def __init__(self, cfg: Config, mesh: Mesh):
-    self.shardings = batch_shardings(mesh)
+    self.shardings = batch_shardings(mesh, cfg)
     self.global_shape = (cfg.train.batch_size, cfg.train.seq_len)
     self.layout = data_layout(self.shardings["inputs"], self.global_shape)
     self.iterator = pipeline_iterator(cfg, self.layout)

@@ -28,6 +28,7 @@ initialisation; checkpoints record the layout they were written with and are re-
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -49,6 +50,22 @@ def stages() -> int:
   """Size of the pipeline axis of the active mesh (1 without a mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
   return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
+
+
+def splits_batch(cfg: Config, sizes: dict[str, int]) -> bool:
+  """Whether the parts outside the schedule split the batch over the stages too (pipeline × data × fsdp ×
+  expert divides it); otherwise they run data-parallel over data × fsdp × expert alone, every stage on the same
+  rows (what a batch like DeepSeek-V3's 15,360 sequences on 16 stages × 128 needs)."""
+  S = sizes.get(AXIS, 1)
+  return S <= 1 or cfg.train.batch_size % (S * sizes["data"] * sizes["fsdp"] * sizes["expert"]) == 0
+
+
+def batch_rules(cfg: Config, sizes: dict[str, int]):
+  """The context to trace a step in (and make its batch shardings in): the pipeline axis left out of the batch
+  when it does not split it (splits_batch)."""
+  from jaxseek.sharding import rules
+
+  return contextlib.nullcontext() if splits_batch(cfg, sizes) else rules.reserved(AXIS)
 
 
 def stack_repeats(num_layers: int, num_stages: int, repeats: int) -> int:
@@ -182,8 +199,9 @@ def check_stacks(cfg: Config, stages: int) -> None:
                     f"{counts}; choose R with mesh.pipeline x R at most the larger stack's layer count, or 1")
 
 
-def summary(cfg: Config, stages: int) -> str:
-  """One line: the schedule, its bubble, what it keeps alive, and which layer stacks are pipelined."""
+def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> str:
+  """One line: the schedule, its bubble, what it keeps alive, which layer stacks are pipelined, and (with the
+  mesh `sizes`) whether the parts outside the schedule split the batch over the stages."""
   m, M, R = cfg.model, cfg.train.microbatches, cfg.train.pipeline_repeats
   stacks, rounds = [], set()
   for name, n in (("dense", m.num_dense_layers), ("MoE", m.num_moe_layers)):
@@ -208,8 +226,14 @@ def summary(cfg: Config, stages: int) -> str:
     schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
     keeps = "all microbatches' activations kept until the backward; embedding, head and MTP on every stage"
     bubble = bubble_fraction(stages, M, r)
+  outside = ""
+  if sizes is not None and not splits_batch(cfg, sizes):
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    outside = (f" | train.batch_size={cfg.train.batch_size} is not divisible by pipeline x data x fsdp x expert = "
+               f"{stages * shards}: outside the schedule the batch is split over data x fsdp x expert = {shards} "
+               f"only, every stage computing the same rows")
   return (f"pipeline: {stages} stages x {M} microbatches ({schedule}), bubble {formula} = {100 * bubble:.1f}% | "
-          f"{', '.join(stacks)}; {keeps}")
+          f"{', '.join(stacks)}; {keeps}{outside}")
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
