@@ -23,11 +23,11 @@ ZIGZAG = ("model.context_attention=zigzag",)
 
 
 @pytest.mark.parametrize("name, context, extra", [
-    ("tiny-v3", 2, RING), ("tiny-v3", 8, ()), ("tiny-dense", 4, ()),  # tiny-dense: grouped-query attention
+    ("tiny-v3", 2, RING), ("tiny-dense", 4, ()),  # tiny-dense: grouped-query attention
     ("tiny-dense", 2, RING + PACKED),  # the grouped-query ring, segment ids travelling with the chunks
     # packed documents (segment ids split over the axis too) in zigzag storage, MTP shifts
-    ("tiny-v3", 4, ZIGZAG + PACKED + ("model.num_nextn_predict_layers=2",)),
-], ids=["v3-c2-ring", "v3-c8", "dense-c4", "dense-c2-ring-packed", "v3-c4-zigzag-packed-mtp"])
+    ("tiny-v3", 4, ZIGZAG + PACKED + ("model.num_nextn_predict_layers=1",)),
+], ids=["v3-c2-ring", "dense-c4", "dense-c2-ring-packed", "v3-c4-zigzag-packed-mtp"])
 def test_context_parallel_training_equals_single_device(name, context, extra):
   """Losses and gradient norms over 5 steps (MoE bias ranges and loads too) equal one device's."""
   single = run(name, ("mesh.data=1", *extra), jax.devices()[:1])

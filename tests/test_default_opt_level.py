@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, TEST_XLA_FLAGS
 SUBSET = [
-    "tests/test_sharding.py::test_sharded_training_equals_single_device[d2f2t2]",
+    "tests/test_sharding.py::test_sharded_training_equals_single_device[fsdp8]",
     "tests/test_moe.py::test_expert_parallel_training_equals_single_device[expert2]",
     "tests/test_pipeline.py::test_pipelined_training_equals_single_device[dense-p4-m8]",
     "tests/test_context.py::test_context_parallel_training_equals_single_device[dense-c2-ring-packed]",

@@ -38,7 +38,6 @@ def single_device(name, layers):
 @pytest.mark.parametrize("name, layers, mesh, micro", [
     ("tiny-dense", 4, ("mesh.pipeline=4", "mesh.data=2"), 8),
     ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.data=2"), 8),  # 1 dense layer on every stage, 4 MoE layers piped
-    ("tiny-v3", 3, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2"), 4),
     # circular: 2 chunks per stage (layers stored out of order, see pipeline.storage_order)
     ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2"), 8),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2",
@@ -47,7 +46,7 @@ def single_device(name, layers):
     # stacks the stages do not divide: padded with identity layers (5 dense → 6; 5 MoE → 8 in 2 rounds)
     ("tiny-dense", 5, ("mesh.pipeline=2", "mesh.data=4"), 4),
     ("tiny-v3", 6, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), 4),
-], ids=["dense-p4-m8", "v3-p4-m8", "v3-p2e2t2-m4", "dense-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat",
+], ids=["dense-p4-m8", "v3-p4-m8", "dense-p4-r2-m8", "v3-p2e2t2-r2-m4", "v3-p2-r2-m1-remat",
         "dense5-p2-padded", "v3-moe5-p2-r2-padded"])
 def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
   """Losses, gradient norms, and per-layer expert loads and bias ranges over 5 steps (so MoE correction biases,
@@ -152,8 +151,8 @@ def test_pipeline_longer_than_every_stack_is_refused():
 P2R2, FLAT = ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2"), ("mesh.data=4", "mesh.tensor=2")
 
 
-@pytest.mark.parametrize("before, after", [(P2R2, FLAT), (FLAT, P2R2), (P2R2, (*P2R2, INTERLEAVED))],
-                         ids=["p2r2-to-p1", "p1-to-p2r2", "circular-to-interleaved"])
+@pytest.mark.parametrize("before, after", [(P2R2, FLAT), (FLAT, (*P2R2, INTERLEAVED))],
+                         ids=["p2r2-to-p1", "p1-to-p2r2-interleaved"])
 def test_checkpoint_moves_between_pipelined_and_flat_meshes(tmp_path, before, after):
   """The next losses after a restore on another pipeline layout equal those of the run that saved. The circular
   layout stores the 5 MoE layers in 8 rows (identity padding): restore cuts or adds the padding."""

@@ -16,12 +16,12 @@ REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", 
 
 
 def test_demo_model_learns_python_source(tmp_path):
-  cfg = config_lib.load(CONFIGS / "demo.yaml", ["train.steps=30", "metrics.every=10", "optim.warmup_steps=10",
+  cfg = config_lib.load(CONFIGS / "demo.yaml", ["train.steps=20", "metrics.every=10", "optim.warmup_steps=10",
                                                 f"train.run_dir={tmp_path}", "data.max_bytes=1000000"])
   summary = run(cfg)
   assert summary["last_loss"] < 0.67 * summary["first_loss"], summary  # ln 256 ≈ 5.55 at the start
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == [1, 10, 20, 30]
+  assert [r["step"] for r in records] == [1, 10, 20]
   assert all(REQUIRED <= r.keys() for r in records)
   assert records[-1]["tokens_per_sec"] > 0 and 0 < records[-1]["mfu"] < 1
   assert "balance_loss" in records[-1] and records[-1]["moe_load_max_over_mean"] >= 1.0
