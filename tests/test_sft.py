@@ -252,6 +252,14 @@ def test_chat_cli_refuses_text_files_with_exit_2(tmp_path, run_env):
                        capture_output=True, text=True, env=run_env)
   assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--format chat reads .jsonl files" in out.stderr
   assert not (tmp_path / "out").exists()
+  # an error found while tokenising (after the start) is one line on stderr too
+  _jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}, {"messages": 3}])
+  out = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(tmp_path / "c.jsonl"),
+                        "--tokenizer", "byte", "--out", str(tmp_path / "out"), "--format", "chat"],
+                       capture_output=True, text=True, env=run_env)
+  assert out.returncode == 2 and out.stderr == "error: " + str(tmp_path / "c.jsonl") + ":2 has a 'messages' field " \
+      "that is not a non-empty list\n", out.stderr
+  assert not (tmp_path / "out").exists()
 
 
 def test_training_and_evaluation_count_the_answer_tokens(tmp_path):

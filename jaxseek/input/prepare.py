@@ -271,11 +271,12 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int 
 
 
 class _Progress:
-  """A rich progress bar over input bytes (MB/s), or nothing."""
+  """A rich progress bar over input bytes (MB/s) on a terminal, or nothing (so that an error written to a log
+  or a pipe stays one line)."""
 
   def __init__(self, total: int, enabled: bool):
     self.bar = None
-    if enabled:
+    if enabled and sys.stderr.isatty():
       from rich import progress
 
       self.bar = progress.Progress(progress.TextColumn("tokenising"), progress.BarColumn(),
