@@ -222,7 +222,7 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   batch = step_batch(cfg, batch)
   grad_fn = jax.value_and_grad(objective_fn(trainer, cfg, state, batch, n_micro), has_aux=True)
   gradients = lambda params, batch: accumulated_gradients(grad_fn, params, batch, n_micro)
-  if pipeline_lib.stages() > 1 and cfg.train.pipeline_schedule in schedules.ONE_F_ONE_B:
+  if pipeline_lib.stages() > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B:
     gradients = lambda params, batch: pipelined_gradients(trainer, cfg, state, params, batch)
   residual = state.grad_residual
   if not jax.tree.leaves(residual):

@@ -219,7 +219,7 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
   seconds = per_device / (hw.peak_tflops * 1e12)
   S, M, m = sizes["pipeline"], cfg.train.microbatches, cfg.model
   bubble = 0.0
-  one_f_one_b = cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b")
+  one_f_one_b = cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
   for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers)):
     if ex.pipelined(cfg, stack, S):
       R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)

@@ -232,7 +232,7 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
          "gradients": state["params"] * (2 if M > 1 and S == 1 else 1)}
   inner = {**sizes, "pipeline": 1}  # inside the schedule microbatch rows are not split over the stages
   outer = sizes if pipeline_lib.splits_batch(cfg, sizes) else inner  # nor outside, when the batch is not split
-  one_f_one_b = S > 1 and cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b")
+  one_f_one_b = S > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
   runs, kept = [], 0  # (layer runs, moe, batch, sizes); bytes of 1F1B's kept stage inputs
   after = False  # under 1F1B the stack after the pipelined one, MTP and the head run per microbatch inside it
   for stack, moe in (("dense_layers", False), ("moe_layers", True)):

@@ -41,6 +41,7 @@ from jaxseek.errors import UserError
 from jaxseek.sharding.rules import shard
 
 AXIS = "pipeline"
+ONE_F_ONE_B = ("1f1b", "interleaved_1f1b")  # the train.pipeline_schedule values sharding/schedules.py runs
 
 
 STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (leading axis "layers"), in order
@@ -190,7 +191,7 @@ def check_stacks(cfg: Config, stages: int) -> None:
     raise UserError(f"config key mesh.pipeline: {stages} stages split neither layer stack {counts}; a stack is "
                     f"split when the stage count divides it or it has at least twice as many layers")
   piped = [n for n in (m.num_dense_layers, m.num_moe_layers) if stages > 1 and stack_repeats(n, stages, R)]
-  if cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b") and len(piped) > 1:
+  if cfg.train.pipeline_schedule in ONE_F_ONE_B and len(piped) > 1:
     raise UserError(f"config key train.pipeline_schedule: {cfg.train.pipeline_schedule} pipelines one layer stack, "
                     f"and {stages} stages split both {counts}; choose a stage count that splits only the larger "
                     f"stack, or the gpipe schedule")
@@ -214,7 +215,7 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
                     (f" in {r} chunks" if r > 1 else "") + (f" ({padding} identity padding)" if padding else ""))
   r = max(rounds)
   formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
-  if cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b"):
+  if cfg.train.pipeline_schedule in ONE_F_ONE_B:
     from jaxseek.sharding import schedules
 
     table = schedules.one_f_one_b(stages, M, r)

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-AXIS = "pipeline"
-ONE_F_ONE_B = ("1f1b", "interleaved_1f1b")  # the train.pipeline_schedule values run_1f1b runs
+from jaxseek.sharding.pipeline import AXIS
 
 
 @dataclasses.dataclass(frozen=True)
