@@ -1,12 +1,13 @@
 """Pipeline schedule cost: step time and compiled temp memory against microbatches and repeats, with the bubble.
 
-  python benchmarks/bench_pipeline.py [--stages 4] [--micro 1 2 4 8 16] [--repeats 1 2] [--schedules gpipe 1f1b]
+  python benchmarks/bench_pipeline.py [--stages 4] [--micro 1 2 4 8 16] [--repeats 1 2]
+                                      [--schedules gpipe 1f1b dualpipev]
                                       [--batch 32] [--seq 128]
 
 A dense model of 8 layers (DeepSeek LLM layout, hidden 256) on --stages simulated CPU devices, mesh
 pipeline=S, against the same model on one device (no pipeline). Per schedule (gpipe: all forwards then all
 backwards, circular with R > 1 chunks per stage; 1f1b: one forward and one backward a tick, interleaved with
-R > 1), microbatch count M and repeats R: median step time over 3 steps after a warm-up, the compiled step's
+R > 1; dualpipev: two chunks a stage on a V, run once whatever --repeats says), microbatch count M and repeats R: median step time over 3 steps after a warm-up, the compiled step's
 temp memory per device (XLA's memory_analysis), and the bubble (= (S − 1)/(R·M + S − 1) when S divides M). The
 simulated devices share this machine's cores, so a step costs the work of every stage including the bubble
 ticks: time / single-device time should track ticks / (R·M) (1F1B also recomputes each stage's forward in its
@@ -75,16 +76,18 @@ def main() -> None:
   print(f"{'schedule':>17} {'S':>2} {'R':>2} {'M':>3} {'bubble':>7} {'ticks/RM':>9} {'step s':>7} {'vs 1 dev':>9} "
         f"{'temp MiB/dev':>13}")
   for kind in args.schedules:
-    for repeats in args.repeats:
-      schedule = {"gpipe": "gpipe", "1f1b": "1f1b" if repeats == 1 else "interleaved_1f1b"}[kind]
+    for repeats in ([2] if kind == "dualpipev" else args.repeats):
+      schedule = {"gpipe": "gpipe", "1f1b": "1f1b" if repeats == 1 else "interleaved_1f1b",
+                  "dualpipev": "dualpipev"}[kind]
       for micro in args.micro:
         step, temp = measure(S, micro, repeats, schedule)
         if kind == "gpipe":
           ideal, bubble = num_ticks(S, micro, repeats) / (repeats * micro), bubble_fraction(S, micro, repeats)
         else:
-          bubble = schedules.one_f_one_b(S, micro, repeats).bubble()
+          table = schedules.dualpipev(S, micro) if kind == "dualpipev" else schedules.one_f_one_b(S, micro, repeats)
+          bubble = table.bubble()
           ideal = 1 / (1 - bubble)
-        name = schedule if repeats == 1 or kind == "1f1b" else "circular"
+        name = schedule if repeats == 1 or kind != "gpipe" else "circular"
         print(f"{name:>17} {S:>2} {repeats:>2} {micro:>3} {100 * bubble:>6.1f}% {ideal:>9.2f} {step:>7.3f} "
               f"{step / base_time:>8.2f}x {temp / 2**20:>13.1f}", flush=True)
         common.append_result(args.results or common.RESULTS, dict(

@@ -99,9 +99,9 @@ class Checkpointer:
                   train=to_pure(_train_fields(state)))
     if jax.tree.leaves(state.biases):  # models without correction biases have none
       arrays["biases"] = to_pure(state.biases)
-    stages, repeats = pipeline.layout(self.cfg, _pipeline_size(state.params))
-    saved_config = {**config_lib.to_dict(self.cfg),
-                    "storage": {"pipeline_stages": stages, "pipeline_repeats": repeats}}  # the layer order
+    stages, repeats, shape = pipeline.layout(self.cfg, _pipeline_size(state.params))
+    saved_config = {**config_lib.to_dict(self.cfg),  # and the layer order it is stored in
+                    "storage": {"pipeline_stages": stages, "pipeline_repeats": repeats, "pipeline_shape": shape}}
     items = dict(state=ocp.args.PyTreeSave(arrays), config=ocp.args.JsonSave(saved_config))
     if data_iterator is not None:
       import grain

@@ -201,8 +201,9 @@ class TrainConfig:
   microbatches: int = 1  # gradient accumulation steps, or with mesh.pipeline > 1 the pipeline microbatches
   pipeline_repeats: int = 1  # circular pipeline: layer chunks (virtual stages) per pipeline stage; 1 is GPipe
   # gpipe (all forwards, then all backwards; circular with pipeline_repeats > 1), circular (the same, R ≥ 2),
-  # 1f1b and interleaved_1f1b (R ≥ 2): one forward and one backward a tick, memory bounded by the stage count
-  pipeline_schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"] = "gpipe"
+  # 1f1b and interleaved_1f1b (R ≥ 2): one forward and one backward a tick, memory bounded by the stage count;
+  # dualpipev (R = 2): two chunks a stage on a V, a forward of one chunk beside a backward of the other
+  pipeline_schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "dualpipev"] = "gpipe"
   seed: int = 0
   run_dir: str = "runs/default"
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
@@ -507,6 +508,10 @@ def validate(cfg: Config, model_only: bool = False) -> None:
   if t.pipeline_schedule in ("circular", "interleaved_1f1b") and t.pipeline_repeats < 2:
     raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs train.pipeline_repeats ≥ 2 "
                     f"chunks per stage, got {t.pipeline_repeats}; set train.pipeline_repeats=2 or more")
+  if t.pipeline_schedule == "dualpipev" and t.pipeline_repeats != 2:
+    raise UserError(f"config key train.pipeline_schedule: dualpipev runs two chunks per stage (a V: stage s holds "
+                    f"virtual stages s and 2S-1-s), got train.pipeline_repeats={t.pipeline_repeats}; set "
+                    f"train.pipeline_repeats=2")
   if t.pipeline_schedule == "1f1b" and t.pipeline_repeats != 1:
     raise UserError(f"config key train.pipeline_schedule: 1f1b runs one chunk per stage, got "
                     f"train.pipeline_repeats={t.pipeline_repeats}; use interleaved_1f1b for several")

@@ -125,7 +125,8 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
                            dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches,
-                           pipeline_repeats=cfg.train.pipeline_repeats, fp8=cfg.train.fp8)
+                           pipeline_repeats=cfg.train.pipeline_repeats, pipeline_shape=pipeline_lib.shape(cfg),
+                           fp8=cfg.train.fp8)
 
   with jax.set_mesh(mesh):
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
@@ -339,7 +340,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   S, M = pipeline_lib.stages(), cfg.train.microbatches
   name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
   n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
-  table = schedules.one_f_one_b(S, M, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
+  table = schedules.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
   norms = loss_norms(cfg, state, batch, M)
   whole = dataclasses.replace(norms, balance_divisor=norms.balance_divisor // M)  # the part before: one batch
   model = nnx.merge(trainer.graphdef, params, state.biases)
@@ -380,7 +381,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   side_M = split((batch["positions"], batch["segment_ids"], valid))
   B = batch["inputs"].shape[0]
   alpha = cfg.model.aux_loss_alpha * state.loss_scale / (B * norms.balance_divisor // M)
-  g_x_MbTD, g_stack, g_post, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run_1f1b(
+  g_x_MbTD, g_stack, g_post, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run(
       table, stage, stack_params, stack_consts, split(x_BTD), side_M, post, rest_params, split(batch),
       {"balance": alpha}, ("balance",))
   (g_pre,) = pre_vjp((pipeline_lib.merge_microbatches(g_x_MbTD), state.loss_scale))
@@ -420,7 +421,7 @@ def _mtp_and_moe_metrics(cfg: config_lib.Config, batch, mtp_sums, loads, balance
     metrics["mtp_loss"] = sum(mtp_sums[k - 1] / token_count(batch[f"mtp_mask_{k}"])
                               for k in range(1, depth + 1)) / depth
   n_moe = cfg.model.num_moe_layers
-  order = pipeline_lib.storage_order(n_moe, pipeline_lib.stages(), cfg.train.pipeline_repeats)
+  order = pipeline_lib.storage_order(n_moe, pipeline_lib.stages(), cfg.train.pipeline_repeats, pipeline_lib.shape(cfg))
   metrics.update(_moe_metrics(loads, balance, biases, np.argsort(order)[:n_moe]))  # padding rows dropped
   return metrics
 

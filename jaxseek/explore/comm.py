@@ -228,7 +228,7 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
       if one_f_one_b:
         from jaxseek.sharding import schedules
 
-        stretch = 1 / (1 - schedules.one_f_one_b(S, M, R).bubble())
+        stretch = 1 / (1 - schedules.for_config(cfg, S, R).bubble())
         if cfg.train.remat != "full":  # 1F1B recomputes each chunk's forward in its backward
           seconds += seconds * share * padded / 3
       else:

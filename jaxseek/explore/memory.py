@@ -242,10 +242,11 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
     if ex.pipelined(cfg, stack, S):
       R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
       chunk = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) // (S * R)  # padding included
-      if one_f_one_b:  # the inputs of 2RS − 1 chunk runs kept, one chunk's backward (its forward recomputed)
+      if one_f_one_b:  # the stage inputs and cotangents the table keeps, one chunk's backward (its forward recomputed)
         from jaxseek.sharding import schedules
 
-        kept = schedules.one_f_one_b(S, M, R).slots * stage_input(cfg, B // M, platform).bytes(inner)
+        table = schedules.for_config(cfg, S, R)
+        kept = (table.slots + table.grad_slots) * stage_input(cfg, B // M, platform).bytes(inner)
         kept += 2 * stage_input(cfg, B, platform).bytes(inner)  # the schedule's input and its cotangent
         runs.append((chunk, moe, B // M, inner))
         after = True

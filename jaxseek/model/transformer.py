@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -48,7 +49,8 @@ class Stack(nnx.Module):
   """`num_layers` identical blocks whose parameters are stacked on a leading "layers" axis, run by lax.scan."""
 
   def __init__(self, cfg: ModelConfig, num_layers: int, moe: bool, *, param_dtype, dtype, remat: str,
-               microbatches: int, pipeline_repeats: int, rngs: nnx.Rngs, fp8: bool = False):
+               microbatches: int, pipeline_repeats: int, rngs: nnx.Rngs, fp8: bool = False,
+               pipeline_shape: str = "ring"):
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -63,6 +65,7 @@ class Stack(nnx.Module):
     self.num_layers = num_layers
     self.microbatches = microbatches  # pipeline microbatches, used when the mesh has a pipeline axis > 1
     self.pipeline_repeats = pipeline_repeats
+    self.pipeline_shape = pipeline_shape  # "v": layers stored for DualPipeV, run here in the circular order
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, valid_BT):
     graphdef, state = nnx.split(self.blocks)
@@ -74,7 +77,12 @@ class Stack(nnx.Module):
     side = (positions_BT, segment_ids_BT, valid_BT)
     repeats = pipeline.stack_repeats(self.num_layers, pipeline.stages(), self.pipeline_repeats)
     if repeats:
-      return pipeline.run(body, state, x_BTD, side, self.microbatches, repeats, num_layers=self.num_layers)
+      layout = (pipeline.stages(), self.pipeline_repeats)
+      ring = pipeline.relayout_index(self.num_layers, (*layout, self.pipeline_shape), (*layout, "ring"))
+      if ring is not None:  # a forward outside DualPipeV's own schedule (evaluation): its layers moved once
+        state = jax.tree.map(lambda a: jnp.take(a, ring, axis=0), state)
+      out, aux = pipeline.run(body, state, x_BTD, side, self.microbatches, repeats, num_layers=self.num_layers)
+      return out, aux if ring is None else jax.tree.map(lambda a: jnp.take(a, np.argsort(ring), axis=0), aux)
     return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state)
 
 
@@ -122,10 +130,11 @@ class Transformer(nnx.Module):
   """The DeepSeek language model: embedding, dense stack, MoE stack, final norm, head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-               remat: str = "none", microbatches: int = 1, pipeline_repeats: int = 1, fp8: bool = False):
+               remat: str = "none", microbatches: int = 1, pipeline_repeats: int = 1, pipeline_shape: str = "ring",
+               fp8: bool = False):
     D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
     kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, microbatches=microbatches,
-              pipeline_repeats=pipeline_repeats, rngs=rngs, fp8=fp8)
+              pipeline_repeats=pipeline_repeats, pipeline_shape=pipeline_shape, rngs=rngs, fp8=fp8)
     self.embed = Embed(V, D, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.dense_layers = Stack(cfg, cfg.num_dense_layers, False, **kw) if cfg.num_dense_layers else None
     self.moe_layers = Stack(cfg, cfg.num_moe_layers, True, **kw) if cfg.num_moe_layers else None

@@ -41,7 +41,7 @@ from jaxseek.errors import UserError
 from jaxseek.sharding.rules import shard
 
 AXIS = "pipeline"
-ONE_F_ONE_B = ("1f1b", "interleaved_1f1b")  # the train.pipeline_schedule values sharding/schedules.py runs
+ONE_F_ONE_B = ("1f1b", "interleaved_1f1b", "dualpipev")  # the train.pipeline_schedule values schedules.py runs
 
 
 STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (leading axis "layers"), in order
@@ -103,30 +103,39 @@ def bubble_fraction(num_stages: int, microbatches: int, repeats: int = 1) -> flo
   return 1 - max(repeats, 1) * microbatches / num_ticks(num_stages, microbatches, repeats)
 
 
-def storage_order(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
+def storage_order(num_layers: int, num_stages: int, repeats: int, shape: str = "ring") -> np.ndarray:
   """The logical layer held at each storage position of a stack; values ≥ num_layers are padding, always the last
   positions (so the real layers of any layout are rows [0, num_layers)). The schedule visits position (s, r, c)
-  in the order (r, s, c); the real layers are assigned in that visiting order."""
+  in the order of its virtual stage — r·S + s on the ring, s for r = 0 and 2S − 1 − s for r = 1 on the V
+  (DualPipeV) — then c; the real layers are assigned in that visiting order."""
   R, P = stack_repeats(num_layers, num_stages, repeats), stored_layers(num_layers, num_stages, repeats)
   if R <= 1:
     return np.arange(P)
-  visit = np.arange(P).reshape(num_stages, R, -1).transpose(1, 0, 2).reshape(-1)  # positions in schedule order
+  s, r = np.arange(num_stages)[:, None], np.arange(R)[None, :]
+  virtual = np.where(r == 0, s, 2 * num_stages - 1 - s) if shape == "v" else r * num_stages + s  # [S, R]
+  visit = np.arange(P).reshape(num_stages * R, -1)[np.argsort(virtual, axis=None)].reshape(-1)  # schedule order
   order = np.arange(P)
   order[visit[visit < num_layers]] = np.arange(num_layers)
   return order
 
 
-Layout = tuple[int, int]  # (pipeline stages, repeats) a state was stored with
+Layout = tuple[int, int, str]  # (pipeline stages, repeats, "ring" | "v") a state was stored with
+
+
+def shape(cfg: Config) -> str:
+  """How the chunks sit on the stages: on a V for DualPipeV (stage s holds virtual stages s and 2S − 1 − s), else
+  on a ring (r·S + s)."""
+  return "v" if cfg.train.pipeline_schedule == "dualpipev" else "ring"
 
 
 def layout(cfg: Config, num_stages: int) -> Layout:
-  return (num_stages, cfg.train.pipeline_repeats)
+  return (num_stages, cfg.train.pipeline_repeats, shape(cfg))
 
 
 def saved_layout(saved_config: dict) -> Layout:
   """The layout recorded with a checkpoint (checkpoints without one are in logical order)."""
   stored = saved_config.get("storage", {})
-  return (stored.get("pipeline_stages", 1), stored.get("pipeline_repeats", 1))
+  return (stored.get("pipeline_stages", 1), stored.get("pipeline_repeats", 1), stored.get("pipeline_shape", "ring"))
 
 
 def reorder_index(path: tuple, num_layers: dict[str, int], source: Layout, target: Layout) -> np.ndarray | None:
@@ -146,10 +155,17 @@ def reorder_index(path: tuple, num_layers: dict[str, int], source: Layout, targe
   return np.where(dst < n, found[np.minimum(dst, n - 1)], -1)
 
 
+def relayout_index(num_layers: int, source: Layout, target: Layout) -> np.ndarray | None:
+  """The gather along a stack's "layers" axis from `source`'s storage order to `target`'s (same stored length),
+  None when nothing moves."""
+  src, dst = storage_order(num_layers, *source), storage_order(num_layers, *target)
+  return None if np.array_equal(src, dst) else np.argsort(src)[dst]
+
+
 def resized_stacks(model_cfg, source: Layout, target: Layout) -> tuple[str, ...]:
   """The stacks stored with a different number of rows (padding) under the two layouts."""
   return tuple(name for name, n in stack_sizes(model_cfg).items()
-               if stored_layers(n, *source) != stored_layers(n, *target))
+               if stored_layers(n, *source[:2]) != stored_layers(n, *target[:2]))
 
 
 def take_rows(leaf: jax.Array, index: np.ndarray) -> jax.Array:
@@ -195,6 +211,12 @@ def check_stacks(cfg: Config, stages: int) -> None:
     raise UserError(f"config key train.pipeline_schedule: {cfg.train.pipeline_schedule} pipelines one layer stack, "
                     f"and {stages} stages split both {counts}; choose a stage count that splits only the larger "
                     f"stack, or the gpipe schedule")
+  if cfg.train.pipeline_schedule == "dualpipev" and stages > 1 and piped and stack_repeats(
+      max(m.num_dense_layers, m.num_moe_layers), stages, R) != 2:
+    n = max(m.num_dense_layers, m.num_moe_layers)
+    raise UserError(f"config key train.pipeline_schedule: dualpipev cuts the pipelined stack into 2 x {stages} "
+                    f"chunks, and its {n} layers on {stages} stages make one chunk a stage; choose mesh.pipeline so "
+                    f"that 2 x stages divides {n}, or the 1f1b schedule")
   if stages > 1 and R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key train.pipeline_repeats: {R} repeats x {stages} stages exceed both layer stacks "
                     f"{counts}; choose R with mesh.pipeline x R at most the larger stack's layer count, or 1")
@@ -218,11 +240,14 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
   if cfg.train.pipeline_schedule in ONE_F_ONE_B:
     from jaxseek.sharding import schedules
 
-    table = schedules.one_f_one_b(stages, M, r)
-    schedule = "1F1B" if r <= 1 else f"interleaved 1F1B, {r} chunks"
-    keeps = (f"{table.slots} microbatch stage inputs kept per stage, layers recomputed in the backward; head and "
-             f"loss on the last stage")
-    bubble = 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 else table.bubble()
+    table = schedules.for_config(cfg, stages, r)
+    dual = cfg.train.pipeline_schedule == "dualpipev"
+    schedule = "DualPipeV, 2 chunks on a V" if dual else "1F1B" if r <= 1 else f"interleaved 1F1B, {r} chunks"
+    keeps = (f"{table.slots} microbatch stage inputs + {table.grad_slots} cotangents kept per stage, layers "
+             f"recomputed in the backward; head and loss on the {'first' if dual else 'last'} stage")
+    formula = "lock-step ticks, F=1 B=2" if dual else formula
+    bubble = table.bubble() if dual else 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 else \
+        table.bubble()
   else:
     schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
     keeps = "all microbatches' activations kept until the backward; embedding, head and MTP on every stage"

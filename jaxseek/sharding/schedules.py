@@ -1,24 +1,31 @@
 """Pipeline schedules as tables: which microbatch and chunk each stage runs forward and backward at each tick.
 
 A tick is one lock-step round of the pipeline: every stage runs at most one forward (F) and one backward (B) of
-a chunk of its layers, then passes activations one stage on and cotangents one stage back. Stage s holds chunks
-r = 0 … R − 1 (virtual stage v = r·S + s; R = 1 without interleaving). Work item k of a stage is microbatch
-m = g·S + i in round r, with k = g·R·S + r·S + i (microbatches go round in groups of S, as in the circular
-schedule), so the forward of item k runs on stage s at tick s + k and its output reaches virtual stage v + 1 at
-the next tick.
+a chunk of its layers, then passes activations and cotangents to the stages that need them next. Stage s holds
+chunks r = 0 … R − 1, each one virtual stage v of the V = S·R a microbatch goes through in order; the batch
+enters at virtual stage 0 and the loss follows virtual stage V − 1. What arrives waits in a stage's buffers (its
+slot chosen by the table) until the tick that uses it: a stage input stays there until its backward has read it
+(the backward recomputes the chunk's layers from it), a cotangent until its backward runs.
 
-1F1B: the last virtual stage runs the loss and the backward of a microbatch in the tick of its forward, and the
-backward of virtual stage v runs RS − 1 − v ticks later, so cotangents flow back one stage a tick while new
-forwards still flow in: after a warm-up, every stage runs one forward and one backward each tick, and a stage
-keeps the inputs of at most 2·R·S − 1 items (2S − 1 without interleaving) alive — bounded by the stage count,
-not by the number of microbatches. Ticks with no work in a slot skip it (a conditional), so the schedule costs
+1F1B (`one_f_one_b`; ring placement v = r·S + s): the last virtual stage runs the loss and the backward of a
+microbatch in the tick of its forward, and the backward of virtual stage v runs R·S − 1 − v ticks later, so
+cotangents flow back one stage a tick while new forwards still flow in: after a warm-up every stage runs one
+forward and one backward each tick, and keeps about 2·R·S stage inputs, bounded by the stage count, not by the
+number of microbatches M. Ticks with no work in a slot skip it (a conditional).
 
-    (F + B) · (M + S − 1)  for 1F1B, as GPipe does, but holds 2S − 1 microbatches instead of M + S − 1.
+DualPipeV (`dualpipev`; V placement: stage s holds virtual stages s and 2S − 1 − s, so the batch enters and
+the loss runs on stage 0): DeepSeek's cut-in-half DualPipe order. Each stage runs its program of forwards of
+chunk 0 and 1, then pairs a forward of one chunk with a backward of the other (F0·B1, F1·B0) in the same tick,
+then drains the backwards; a tick runs an instruction once what it reads has arrived. Chunks are half a
+stage's layers, so fill and drain cost half as much as 1F1B's at the same stage count.
+
+    bubble = 1 − (work of one stage) / Σ_ticks max_s (work of stage s in the tick),  F = 1, B = 2 per chunk
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Callable
 
 import jax
@@ -28,36 +35,48 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseek.sharding.pipeline import AXIS
 
+EARLY, LOSS, READ, LATE = 0.1, 0.3, 0.5, 0.9  # where in a tick a buffer is written or read (the executor's order)
+
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-  """Per tick and stage ([ticks, S] int32, −1 where the slot is empty): the forward's microbatch and chunk, the
-  backward's microbatch and chunk, and the buffer slot of the stage input each one writes or reads."""
+  """A schedule for S stages, M microbatches, R chunks per stage. `steps` holds [ticks, S] int32 columns, −1
+  where nothing happens: f_micro / f_chunk / f_slot (the forward, and the buffer slot of its input), b_micro /
+  b_chunk / b_slot / b_grad (the backward, its stage input's slot and its cotangent's slot), loss_grad (where
+  the loss's cotangent goes, in the tick of a last virtual stage's forward), and per link offset d (a stage s
+  sends to s + d mod S) f_in{d} / b_in{d}: the slot an arriving activation or cotangent is stored in."""
 
   stages: int
   microbatches: int
   repeats: int
-  f_micro: np.ndarray
-  f_chunk: np.ndarray
-  f_slot: np.ndarray
-  b_micro: np.ndarray
-  b_chunk: np.ndarray
-  b_slot: np.ndarray
+  virtual: np.ndarray  # [S, R]: the virtual stage chunk r of stage s is
+  steps: dict[str, np.ndarray]
   slots: int  # stage inputs a stage keeps (the buffer's length)
+  grad_slots: int  # cotangents waiting for their backward
+  links: dict[str, dict[int, tuple[tuple[int, int], ...]]]  # "f" / "b" → offset → (sender, receiver) pairs
 
-  @property
-  def ticks(self) -> int:
-    return self.f_micro.shape[0]
+  ticks = property(lambda self: self.steps["f_micro"].shape[0])
+  f_micro = property(lambda self: self.steps["f_micro"])
+  f_chunk = property(lambda self: self.steps["f_chunk"])
+  f_slot = property(lambda self: self.steps["f_slot"])
+  b_micro = property(lambda self: self.steps["b_micro"])
+  b_chunk = property(lambda self: self.steps["b_chunk"])
 
   def bubble(self, backward_cost: float = 2.0) -> float:
-    """The share of the schedule's time a stage is idle, with a forward costing 1 and a backward
+    """The share of the schedule's time a stage is idle, with a chunk's forward costing 1 and its backward
     `backward_cost`: a tick lasts as long as the busiest stage's work in it."""
     per_stage = (self.f_micro >= 0) + backward_cost * (self.b_micro >= 0)  # [ticks, S]
     total = per_stage.max(axis=1).sum()
     return float(1 - per_stage.sum(axis=0).max() / total)
 
 
-def work_items(S: int, M: int, R: int) -> list[tuple[int, int]]:
+def for_config(cfg, S: int, R: int) -> Table:
+  """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds."""
+  M = cfg.train.microbatches
+  return dualpipev(S, M) if cfg.train.pipeline_schedule == "dualpipev" else one_f_one_b(S, M, R)
+
+
+def work_items(S: int, M: int, R: int) -> list[tuple[int, int] | None]:
   """(microbatch, round) of each work item k of a stage, in order; None entries are bubbles of a partial group."""
   groups = -(-M // S)
   items = []
@@ -70,51 +89,160 @@ def work_items(S: int, M: int, R: int) -> list[tuple[int, int]]:
 
 
 def one_f_one_b(S: int, M: int, R: int = 1) -> Table:
-  """The 1F1B table (interleaved over R chunks per stage when R > 1)."""
+  """The 1F1B table (interleaved over R chunks per stage when R > 1). Work item k = g·R·S + r·S + i of a stage
+  is microbatch g·S + i in round r (microbatches go round in groups of S, as in the circular schedule); its
+  forward runs on stage s at tick s + k, and its backward once the last virtual stage has run the loss."""
   items = work_items(S, M, R)
   last = {m: k for k, item in enumerate(items) if item is not None for m, r in [item] if r == R - 1}
-  f_tick = {}  # (m, r, s) → tick
-  b_tick = {}
+  f_tick, b_tick = {}, {}  # (m, v) → tick
   for s in range(S):
     for k, item in enumerate(items):
-      if item is None:
+      if item is not None:
+        m, r = item
+        f_tick[m, r * S + s] = s + k
+        b_tick[m, r * S + s] = (S - 1 + last[m]) + (R * S - 1 - (r * S + s))
+  virtual = np.arange(R)[None, :] * S + np.arange(S)[:, None]
+  return build(S, M, R, virtual, f_tick, b_tick)
+
+
+def dualpipev(S: int, M: int) -> Table:
+  """The DualPipeV table: each stage's program (`dualpipev_program`) run in lock step, an instruction in the
+  first tick in which everything it reads has arrived."""
+  virtual = np.stack([np.arange(S), 2 * S - 1 - np.arange(S)], axis=1)
+  programs = [dualpipev_program(S, s, M) for s in range(S)]
+  f_tick, b_tick, at, t = {}, {}, [0] * S, 0
+  while any(at[s] < len(programs[s]) for s in range(S)):
+    done = []
+    for s in range(S):
+      if at[s] == len(programs[s]):
         continue
-      m, r = item
-      f_tick[m, r, s] = s + k
-      b_tick[m, r, s] = (S - 1 + last[m]) + (R * S - 1 - (r * S + s))
+      ops, ran_f = programs[s][at[s]], {}
+      for kind, r, m in ops:
+        v = int(virtual[s, r])
+        if kind == "f":
+          ready = v == 0 or f_tick.get((m, v - 1), t) < t
+          ran_f[m, v] = t
+        else:  # the loss's cotangent is there in its forward's tick; others arrive a tick after they are sent
+          ready = (f_tick.get((m, v), ran_f.get((m, v), t + 1)) <= t if v == 2 * S - 1 else
+                   b_tick.get((m, v + 1), t) < t)
+        if not ready:
+          break
+      else:
+        done.append((s, ops))
+    if not done:
+      raise AssertionError(f"DualPipeV order deadlocks at tick {t} (S={S}, M={M})")
+    for s, ops in done:
+      for kind, r, m in ops:
+        (f_tick if kind == "f" else b_tick)[m, int(virtual[s, r])] = t
+      at[s] += 1
+    t += 1
+  return build(S, M, 2, virtual, f_tick, b_tick)
+
+
+def dualpipev_program(S: int, s: int, M: int) -> list[tuple[tuple[str, int, int], ...]]:
+  """Stage s's DualPipeV instructions in order, each one tick's ops (kind "f" | "b", chunk, microbatch). The
+  order is DeepSeek's for at least 2S microbatches (warm-up forwards of chunk 0, then chunk 0 and 1 in turn,
+  F1·B1, the steady F0·B1 / F1·B0 pairs, then the drain), with a backward that also computes the weight
+  gradient (no separate W pass). Fewer microbatches run the same order with the missing ones left out."""
+  n = max(M, 2 * S)
+  f0, f1, b1, b0 = ("f", 0), ("f", 1), ("b", 1), ("b", 0)
+  order = [(f0,)] * (2 * (S - s - 1)) + [(f0,), (f1,)] * (s + 1) + [(f1, b1)] * (S - s - 1)
+  for i in range(n - 2 * S + s + 1):
+    order += [(f0,), (b1,)] if i == 0 and s == S - 1 else [(f0, b1)]
+    order += [(f1, b0)]
+  order += [(b1,), (f1, b0)] * (S - s - 1) + [(b1,), (b0,)] * (s + 1) + [(b0,)] * (S - s - 1)
+  count, program = {}, []
+  for ops in order:
+    numbered = []
+    for op in ops:
+      m = count[op] = count.get(op, -1) + 1
+      if m < M:
+        numbered.append((*op, m))
+    if numbered:
+      program.append(tuple(numbered))
+  return program
+
+
+def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dict) -> Table:
+  """The table of a schedule given when each (microbatch, virtual stage) runs forward and backward: checks it
+  (every forward and backward once, after what it reads; one of each per stage and tick), then chooses buffer
+  slots (a stage input from its arrival to its backward, a cotangent from its arrival to its backward)."""
+  V = S * R
+  place = {int(virtual[s, r]): (s, r) for s in range(S) for r in range(R)}
+  if sorted(place) != list(range(V)) or set(f_tick) != set(b_tick) or len(f_tick) != M * V:
+    raise AssertionError("a schedule must run every microbatch through every virtual stage once")
   ticks = max(b_tick.values()) + 1
-  slots = max(b_tick[key] - f_tick[key] for key in f_tick) + 1
-  table = {name: np.full((ticks, S), -1, np.int32) for name in ("fm", "fr", "fs", "bm", "br", "bs")}
-  for s in range(S):
-    for k, item in enumerate(items):
-      if item is None:
-        continue
-      m, r = item
-      t_f, t_b = f_tick[m, r, s], b_tick[m, r, s]
-      if table["fm"][t_f, s] >= 0 or table["bm"][t_b, s] >= 0:
-        raise AssertionError(f"two items in one slot at stage {s}")  # the construction rules this out
-      table["fm"][t_f, s], table["fr"][t_f, s], table["fs"][t_f, s] = m, r, k % slots
-      table["bm"][t_b, s], table["br"][t_b, s], table["bs"][t_b, s] = m, r, k % slots
-  return Table(S, M, R, table["fm"], table["fr"], table["fs"], table["bm"], table["br"], table["bs"], slots)
+  steps = {name: np.full((ticks, S), -1, np.int32)
+           for name in ("f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad")}
+  inputs, grads = [[] for _ in range(S)], [[] for _ in range(S)]  # per stage: (start, end, key)
+  for (m, v), t_f in f_tick.items():
+    t_b, (s, r) = b_tick[m, v], place[v]
+    sent = f_tick[m, v - 1] if v else None
+    after = b_tick[m, v + 1] if v < V - 1 else None
+    if (sent is not None and sent >= t_f) or (after is not None and after >= t_b) or t_b < t_f:
+      raise AssertionError(f"microbatch {m} at virtual stage {v} runs before its input or cotangent arrives")
+    for kind, t in (("f", t_f), ("b", t_b)):
+      if steps[f"{kind}_micro"][t, s] >= 0:
+        raise AssertionError(f"two {kind} at stage {s}, tick {t}")
+      steps[f"{kind}_micro"][t, s], steps[f"{kind}_chunk"][t, s] = m, r
+    inputs[s].append((t_f + EARLY if sent is None else sent + LATE, t_b + READ, (m, v)))
+    grads[s].append((t_f + LOSS if after is None else after + LATE, t_b + READ, (m, v)))
+  slot, grad_slot = _colour(inputs), _colour(grads)
+  links = {"f": {}, "b": {}}
+  for (m, v), t_f in f_tick.items():
+    s, t_b = place[v][0], b_tick[m, v]
+    steps["f_slot"][t_f, s] = slot[m, v]
+    steps["b_slot"][t_b, s], steps["b_grad"][t_b, s] = slot[m, v], grad_slot[m, v]
+    if v == V - 1:
+      steps["loss_grad"][t_f, s] = grad_slot[m, v]
+    for kind, t, w, table in (("f", t_f, v + 1, slot), ("b", t_b, v - 1, grad_slot)):
+      if 0 <= w < V:  # the output goes to virtual stage w, on stage `to`: stored there at the end of the tick
+        to = place[w][0]
+        d = (to - s) % S
+        links[kind].setdefault(d, set()).add((s, to))
+        column = steps.setdefault(f"{kind}_in{d}", np.full((ticks, S), -1, np.int32))
+        column[t, to] = table[m, w]
+  links = {k: {d: tuple(sorted(p)) for d, p in sorted(by.items())} for k, by in links.items()}
+  return Table(S, M, R, np.asarray(virtual, np.int32), steps, 1 + max(slot.values()), 1 + max(grad_slot.values()),
+               links)
 
 
-def run_1f1b(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: jax.Array, side_M,
-             post_fn: Callable, post_params, post_M, aux_cotangent: dict[str, float], per_row: tuple[str, ...]):
+def _colour(intervals: list[list[tuple[float, float, tuple]]]) -> dict:
+  """A slot for each interval (start, end, key), per stage, so that no two live at once share one (the fewest
+  slots: interval graphs colour greedily in order of start)."""
+  slot = {}
+  for stage in intervals:
+    free, busy, n = [], [], 0
+    for start, end, key in sorted(stage):
+      while busy and busy[0][0] < start:
+        heapq.heappush(free, heapq.heappop(busy)[1])
+      s = heapq.heappop(free) if free else n
+      n = max(n, s + 1)
+      slot[key] = s
+      heapq.heappush(busy, (end, s))
+  return slot
+
+
+def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: jax.Array, side_M,
+        post_fn: Callable, post_params, post_M, aux_cotangent: dict[str, float], per_row: tuple[str, ...]):
   """The forward and backward of a pipelined stack and of the model after it, interleaved as `table` says.
 
   stage_fn(x_bTD, chunk_params, chunk_consts, side_b) → (y_bTD, aux) runs one chunk of C layers (`stage_params`
-  and `stage_consts` leaves are [L, ...] in storage order, sharded on `pipeline`; aux leaves lead with C);
-  post_fn(post_params, y_bTD, post_b) → (value, stats) is the rest of the objective for one microbatch (already
-  multiplied by the loss scale). Each aux entry k enters the objective as aux_cotangent[k] · its sum (0 when
-  absent); entries named in `per_row` are per-sequence [C, b] and are summed over rows here.
+  and `stage_consts` leaves are [L, ...] in storage order, sharded on `pipeline`: stage s stores its chunks
+  r = 0 … R − 1 in order; aux leaves lead with C); post_fn(post_params, y_bTD, post_b) → (value, stats) is the
+  rest of the objective for one microbatch (already multiplied by the loss scale). Each aux entry k enters the
+  objective as aux_cotangent[k] · its sum (0 when absent); entries named in `per_row` are per-sequence [C, b]
+  and are summed over rows here.
 
   Returns (g_x_MbTD, g_stage_params, g_post_params, stats summed over microbatches, aux summed over
   microbatches [L, ...]): the cotangent of the schedule's input, the gradients, and what the loss reported.
   """
-  S, M, R = table.stages, table.microbatches, table.repeats
-  steps = jnp.asarray(np.stack([table.f_micro, table.f_chunk, table.f_slot, table.b_micro, table.b_chunk,
-                                table.b_slot]))  # [6, ticks, S]
+  S, R = table.stages, table.repeats
+  steps = {k: jnp.asarray(v) for k, v in table.steps.items()}
+  virtual = jnp.asarray(table.virtual)
   at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+  put = lambda buf, i, value, when: buf.at[i].set(jnp.where(when, value, buf[i]))
 
   def per_stage(sp, sc, x_MbTD, side_M, pp, post_M):
     s = jax.lax.axis_index(AXIS)
@@ -127,7 +255,6 @@ def run_1f1b(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbT
     y_shape, aux_shape = jax.eval_shape(forward, x_MbTD[0], 0, 0)
     rows = {k: k in per_row for k in aux_shape}
     summed = lambda aux: {k: a.sum(-1) if rows[k] else a for k, a in aux.items()}
-    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
     stats_shape = jax.eval_shape(lambda: post_fn(pp, x_MbTD[0], at(post_M, 0))[1])
 
     def post_grad(y, m):
@@ -136,46 +263,48 @@ def run_1f1b(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbT
       return g_y, g_pp, stats
 
     def backward(x, r, m, g_y):
-      def f(x, p):
-        return stage_fn(x, p, at(sc_R, r), at(side_M, m))
+      (_, aux), vjp = jax.vjp(lambda x, p: stage_fn(x, p, at(sc_R, r), at(side_M, m)), x, at(sp_R, r))
+      return vjp((g_y, {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
 
-      (_, aux), vjp = jax.vjp(f, x, at(sp_R, r))
-      g_aux = {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}
-      return vjp((g_y, g_aux))
-
+    def send(kind, value, buf, t):
+      """`value` to every stage that receives by a link of `kind`, stored in the slot the table names."""
+      for d, pairs in table.links[kind].items():
+        got = value if d == 0 else jax.lax.ppermute(value, AXIS, list(pairs))
+        slot = steps[f"{kind}_in{d}"][t, s]
+        buf = put(buf, jnp.maximum(slot, 0), got, slot >= 0)
+      return buf
 
     def tick(carry, t):
-      held_f, held_b, buf, g_sp, g_pp, stats, aux_acc, g_x = carry
-      fm, fr, fs, bm, br, bs = (steps[i, t, s] for i in range(6))
-      has_f, has_b = fm >= 0, bm >= 0
-      fm, fr, fs, bm, br, bs = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs))
-      x_in = jnp.where((fr == 0) & (s == 0), x_MbTD[fm], held_f)
+      buf, grads, g_sp, g_pp, stats, aux_acc, g_x = carry
+      fm, fr, fs, bm, br, bs, bg, lg = (steps[k][t, s] for k in (
+          "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"))
+      has_f, has_b, has_loss = fm >= 0, bm >= 0, lg >= 0
+      fm, fr, fs, bm, br, bs, bg, lg = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs, bg, lg))
+      x_in = jnp.where(virtual[s, fr] == 0, x_MbTD[fm], buf[fs])
       y, aux = jax.lax.cond(has_f, lambda: forward(x_in, fr, fm), lambda: (zeros(y_shape), zeros(aux_shape)))
-      buf = buf.at[fs].set(jnp.where(has_f, x_in, buf[fs]))
+      buf = put(buf, fs, x_in, has_f)
       aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
                              summed(aux))
-      last = has_f & (fr == R - 1) & (s == S - 1)  # the microbatch leaves the stack: its loss, its backward
-      g_y, g_pp_m, stats_m = jax.lax.cond(last, lambda: post_grad(y, fm),
+      # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
+      g_y, g_pp_m, stats_m = jax.lax.cond(has_loss, lambda: post_grad(y, fm),
                                           lambda: (zeros(y_shape), zeros(pp), zeros(stats_shape)))
-      g_pp = jax.tree.map(jnp.add, g_pp, g_pp_m)
-      stats = jax.tree.map(jnp.add, stats, stats_m)
-      g_in = jnp.where((br == R - 1) & (s == S - 1), g_y, held_b)
-      g_xb, g_chunk = jax.lax.cond(has_b, lambda: backward(buf[bs], br, bm, g_in),
+      grads = put(grads, lg, g_y, has_loss)
+      g_pp, stats = jax.tree.map(jnp.add, g_pp, g_pp_m), jax.tree.map(jnp.add, stats, stats_m)
+      g_xb, g_chunk = jax.lax.cond(has_b, lambda: backward(buf[bs], br, bm, grads[bg]),
                                    lambda: (zeros(y_shape), zeros(at(sp_R, 0))))
       g_sp = jax.tree.map(lambda acc, g: acc.at[br].add(g), g_sp, g_chunk)
-      g_x = g_x.at[bm].set(jnp.where(has_b & (br == 0) & (s == 0), g_xb, g_x[bm]))
-      held_f = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % S) for i in range(S)])
-      held_b = jax.lax.ppermute(g_xb, AXIS, [(i, (i - 1) % S) for i in range(S)])
-      return (held_f, held_b, buf, g_sp, g_pp, stats, aux_acc, g_x), None
+      g_x = put(g_x, bm, g_xb, has_b & (virtual[s, br] == 0))
+      buf, grads = send("f", y, buf, t), send("b", g_xb, grads, t)
+      return (buf, grads, g_sp, g_pp, stats, aux_acc, g_x), None
 
     x0 = jnp.zeros_like(x_MbTD[0])
-    init = (x0, x0, jnp.zeros((table.slots, *x0.shape), x0.dtype), zeros(sp_R),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), pp), zeros(stats_shape),
-            zeros(jax.eval_shape(lambda: jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype),
-                                                      summed(zeros(aux_shape))))),
-            jnp.zeros_like(x_MbTD))
+    aux_init = zeros(jax.eval_shape(lambda: jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype),
+                                                         summed(zeros(aux_shape)))))
+    init = (jnp.zeros((table.slots, *x0.shape), x0.dtype), jnp.zeros((table.grad_slots, *x0.shape), x0.dtype),
+            zeros(sp_R), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), pp), zeros(stats_shape),
+            aux_init, jnp.zeros_like(x_MbTD))
     carry, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
-    _, _, _, g_sp, g_pp, stats, aux_acc, g_x = carry
+    _, _, g_sp, g_pp, stats, aux_acc, g_x = carry
     shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
     g_sp = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), g_sp)
     aux_acc = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_acc)
