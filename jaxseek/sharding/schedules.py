@@ -136,7 +136,7 @@ def dualpipev(S: int, M: int) -> Table:
         (f_tick if kind == "f" else b_tick)[m, int(virtual[s, r])] = t
       at[s] += 1
     t += 1
-  return build(S, M, 2, virtual, f_tick, b_tick)
+  return build(S, M, 2, virtual, f_tick, b_tick, fuse=True)
 
 
 def dualpipev_program(S: int, s: int, M: int) -> list[tuple[tuple[str, int, int], ...]]:
@@ -163,10 +163,13 @@ def dualpipev_program(S: int, s: int, M: int) -> list[tuple[tuple[str, int, int]
   return program
 
 
-def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dict) -> Table:
+def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dict, fuse: bool = False) -> Table:
   """The table of a schedule given when each (microbatch, virtual stage) runs forward and backward: checks it
   (every forward and backward once, after what it reads; one of each per stage and tick), then chooses buffer
-  slots (a stage input from its arrival to its backward, a cotangent from its arrival to its backward)."""
+  slots (a stage input from its arrival to its backward, a cotangent from its arrival to its backward). With
+  `fuse`, column `fused` marks the ticks whose forward and backward are independent (the backward's cotangent
+  is not the loss of this tick's forward): the executor runs those two in one branch, so that XLA may overlap
+  one's collectives with the other's compute."""
   V = S * R
   place = {int(virtual[s, r]): (s, r) for s in range(S) for r in range(R)}
   if sorted(place) != list(range(V)) or set(f_tick) != set(b_tick) or len(f_tick) != M * V:
@@ -202,6 +205,11 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
         links[kind].setdefault(d, set()).add((s, to))
         column = steps.setdefault(f"{kind}_in{d}", np.full((ticks, S), -1, np.int32))
         column[t, to] = table[m, w]
+  steps["fused"] = np.zeros((ticks, S), np.int32)
+  for (m, v), t_b in b_tick.items() if fuse else ():
+    s = place[v][0]
+    if steps["f_micro"][t_b, s] >= 0 and not (v == V - 1 and f_tick[m, v] == t_b):
+      steps["fused"][t_b, s] = 1
   links = {k: {d: tuple(sorted(p)) for d, p in sorted(by.items())} for k, by in links.items()}
   return Table(S, M, R, np.asarray(virtual, np.int32), steps, 1 + max(slot.values()), 1 + max(grad_slot.values()),
                links)
@@ -239,6 +247,7 @@ def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: ja
   """
   S, R = table.stages, table.repeats
   steps = {k: jnp.asarray(v) for k, v in table.steps.items()}
+  fusing = bool(table.steps["fused"].any())
   virtual = jnp.asarray(table.virtual)
   at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
@@ -250,7 +259,8 @@ def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: ja
     sp_R, sc_R = by_chunk(sp), by_chunk(sc)
 
     def forward(x, r, m):
-      return stage_fn(x, at(sp_R, r), at(sc_R, r), at(side_M, m))
+      with jax.named_scope("pipeline_forward"):  # names the ops in HLO and profiles
+        return stage_fn(x, at(sp_R, r), at(sc_R, r), at(side_M, m))
 
     y_shape, aux_shape = jax.eval_shape(forward, x_MbTD[0], 0, 0)
     rows = {k: k in per_row for k in aux_shape}
@@ -263,8 +273,9 @@ def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: ja
       return g_y, g_pp, stats
 
     def backward(x, r, m, g_y):
-      (_, aux), vjp = jax.vjp(lambda x, p: stage_fn(x, p, at(sc_R, r), at(side_M, m)), x, at(sp_R, r))
-      return vjp((g_y, {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
+      with jax.named_scope("pipeline_backward"):
+        (_, aux), vjp = jax.vjp(lambda x, p: stage_fn(x, p, at(sc_R, r), at(side_M, m)), x, at(sp_R, r))
+        return vjp((g_y, {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
 
     def send(kind, value, buf, t):
       """`value` to every stage that receives by a link of `kind`, stored in the slot the table names."""
@@ -274,14 +285,24 @@ def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: ja
         buf = put(buf, jnp.maximum(slot, 0), got, slot >= 0)
       return buf
 
+    no_f = lambda: (zeros(y_shape), zeros(aux_shape))
+    no_b = lambda: (zeros(y_shape), zeros(at(sp_R, 0)))
+
     def tick(carry, t):
       buf, grads, g_sp, g_pp, stats, aux_acc, g_x = carry
       fm, fr, fs, bm, br, bs, bg, lg = (steps[k][t, s] for k in (
           "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"))
-      has_f, has_b, has_loss = fm >= 0, bm >= 0, lg >= 0
+      has_f, has_b, has_loss, fused = fm >= 0, bm >= 0, lg >= 0, steps["fused"][t, s] > 0
       fm, fr, fs, bm, br, bs, bg, lg = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs, bg, lg))
       x_in = jnp.where(virtual[s, fr] == 0, x_MbTD[fm], buf[fs])
-      y, aux = jax.lax.cond(has_f, lambda: forward(x_in, fr, fm), lambda: (zeros(y_shape), zeros(aux_shape)))
+      run_b = lambda: backward(buf[bs], br, bm, grads[bg])  # the buffers as they are when it is called
+      if fusing:  # independent F and B in one branch (one computation XLA schedules as a whole)
+        (y, aux), (g_xb, g_chunk) = jax.lax.switch(
+            jnp.where(fused, 2, has_f.astype(jnp.int32)),
+            [lambda: (no_f(), no_b()), lambda: (forward(x_in, fr, fm), no_b()),
+             lambda: (forward(x_in, fr, fm), run_b())])
+      else:
+        y, aux = jax.lax.cond(has_f, lambda: forward(x_in, fr, fm), no_f)
       buf = put(buf, fs, x_in, has_f)
       aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
                              summed(aux))
@@ -290,8 +311,11 @@ def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: ja
                                           lambda: (zeros(y_shape), zeros(pp), zeros(stats_shape)))
       grads = put(grads, lg, g_y, has_loss)
       g_pp, stats = jax.tree.map(jnp.add, g_pp, g_pp_m), jax.tree.map(jnp.add, stats, stats_m)
-      g_xb, g_chunk = jax.lax.cond(has_b, lambda: backward(buf[bs], br, bm, grads[bg]),
-                                   lambda: (zeros(y_shape), zeros(at(sp_R, 0))))
+      if fusing:  # the backwards not run with the forward (those that read this tick's loss, or alone)
+        late = jax.lax.cond(has_b & ~fused, run_b, no_b)
+        g_xb, g_chunk = jax.tree.map(lambda a, b: jnp.where(fused, a, b), (g_xb, g_chunk), late)
+      else:
+        g_xb, g_chunk = jax.lax.cond(has_b, run_b, no_b)
       g_sp = jax.tree.map(lambda acc, g: acc.at[br].add(g), g_sp, g_chunk)
       g_x = put(g_x, bm, g_xb, has_b & (virtual[s, br] == 0))
       buf, grads = send("f", y, buf, t), send("b", g_xb, grads, t)
