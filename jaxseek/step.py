@@ -333,16 +333,15 @@ def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, ba
 
 def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainState, params,
                         batch: dict[str, jax.Array]):
-  """(grads, ce_sum, mtp_sums, balance, loads) of `batch` with a 1F1B schedule (sharding/schedules.py): the
-  embedding and the layers before the pipelined stack run on the whole batch and get their gradients from the
-  schedule's input cotangents; the pipelined stack runs chunk by chunk inside it; the layers after it, the head
-  and the loss run per microbatch on the last stage, inside it."""
+  """(grads, ce_sum, mtp_sums, balance, loads) of `batch` with a table schedule (sharding/schedules.py: 1F1B,
+  interleaved 1F1B, DualPipeV). All of the model runs per microbatch inside it: the embedding and the layers
+  before the pipelined stack with its first virtual stage, the stack chunk by chunk, the layers after it, the
+  head and the loss after its last virtual stage."""
   S, M = pipeline_lib.stages(), cfg.train.microbatches
   name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
   n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
   table = schedules.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
   norms = loss_norms(cfg, state, batch, M)
-  whole = dataclasses.replace(norms, balance_divisor=norms.balance_divisor // M)  # the part before: one batch
   model = nnx.merge(trainer.graphdef, params, state.biases)
   stack = getattr(model, name)
   setattr(model, name, None)  # the rest of the model: what runs outside the stack
@@ -352,12 +351,13 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   before, after = order[:order.index(name)], order[order.index(name) + 1:]
   rest = lambda p: nnx.merge(rest_graphdef, p, rest_other)
 
-  def pre(p):
+  def first(p, mb):
     m = rest(p)
-    x_BTD, positions_BT, valid_BT = m.begin(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
-    x_BTD, aux = m.run_stacks(x_BTD, positions_BT, batch.get("segment_ids"), valid_BT, before)
-    value, (_, _, balance, loads) = loss_terms(cfg, m, None, aux, batch, whole)
-    return (x_BTD, value), (balance, loads)
+    x_bTD, positions_bT, valid_bT = m.begin(mb["inputs"], mb["positions"], mb["segment_ids"])
+    x_bTD, aux = m.run_stacks(x_bTD, positions_bT, mb["segment_ids"], valid_bT, before)
+    if aux:  # the stack before the larger one is the dense stack (pipeline.STACKS order)
+      raise NotImplementedError(f"layers with auxiliary outputs before the pipelined stack: {sorted(aux)}")
+    return x_bTD
 
   def post(p, y_bTD, mb):
     m = rest(p)
@@ -373,24 +373,21 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   def stage(x_bTD, chunk_p, chunk_c, side):
     return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c))
 
-  (x_BTD, _), pre_vjp, (pre_balance, pre_loads) = jax.vjp(pre, rest_params, has_aux=True)
-  batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(
-      jnp.arange(batch["inputs"].shape[1], dtype=jnp.int32), batch["inputs"].shape)))
+  B, T = batch["inputs"].shape
+  batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))))
   split = lambda tree: jax.tree.map(lambda a: pipeline_lib.split_microbatches(a, M), tree)
   valid = (batch["segment_ids"] > 0).astype(jnp.float32)
   side_M = split((batch["positions"], batch["segment_ids"], valid))
-  B = batch["inputs"].shape[0]
   alpha = cfg.model.aux_loss_alpha * state.loss_scale / (B * norms.balance_divisor // M)
-  g_x_MbTD, g_stack, g_post, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run(
-      table, stage, stack_params, stack_consts, split(x_BTD), side_M, post, rest_params, split(batch),
-      {"balance": alpha}, ("balance",))
-  (g_pre,) = pre_vjp((pipeline_lib.merge_microbatches(g_x_MbTD), state.loss_scale))
-  g_rest = jax.tree.map(lambda a, b: (a + b).astype(a.dtype), g_pre, g_post)
+  g_stack, g_rest, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run(
+      table, first, stage, post, stack_params, stack_consts, rest_params, split(batch), side_M, {"balance": alpha},
+      ("balance",))
+  g_rest = jax.tree.map(lambda g, p: g.astype(p.dtype), g_rest, rest_params)
   grads = nnx.merge_state(g_rest, nnx.State({name: nnx.State({"blocks": g_stack})}))
   stage_aux = pipeline_lib.zero_padding_rows(stage_aux, stored=jax.tree.leaves(stack_params)[0].shape[0],
                                              num_layers=n_layers)
-  balance = pre_balance + post_balance / M + (stage_aux["balance"].sum() / B if "balance" in stage_aux else 0.0)
-  loads = {**pre_loads, **post_loads, **{k: v for k, v in stage_aux.items() if k != "balance"}}
+  balance = post_balance / M + (stage_aux["balance"].sum() / B if "balance" in stage_aux else 0.0)
+  loads = {**post_loads, **{k: v for k, v in stage_aux.items() if k != "balance"}}
   return grads, ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads
 
 

@@ -322,19 +322,23 @@ def test_json_schema_and_user_errors(tmp_path, capsys):
 def test_deepseek_v3_published_layout_and_batch():
   """DeepSeek-V3's training layout (16 stages × 64-way expert × 2 data = 2,048 GPUs) with its batch of 15,360
   sequences, which 2,048 does not divide: the explorer plans it with the parts outside the schedule split over
-  expert × data only, and says so; a 1F1B schedule keeps 2S − 1 microbatch inputs per stage. It does not fit:
-  the 3 dense layers run outside the schedule on all 120 sequences of a replica (DeepSeek ran them in the
-  first stage, per microbatch)."""
+  expert × data only, and says so. Under GPipe the 3 dense layers, the embedding and the head run outside the
+  schedule on all 120 sequences of a replica (over 100 GiB of activations a device); under 1F1B they run per
+  microbatch inside it (on the first and last stage, as DeepSeek ran them), and with bfloat16 parameters and
+  a capacity factor the layout fits an 80 GiB device."""
   overrides = ("mesh.pipeline=16", "mesh.expert=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
                "train.batch_size=15360", "train.microbatches=120", "train.seq_len=4096")
+  bf16 = ("train.param_dtype=bfloat16", "train.compute_dtype=bfloat16", "model.moe_capacity_factor=1.25")
   plans = {}
-  for schedule in ("gpipe", "1f1b"):
-    cfg = load_config("deepseek-v3-671b", *overrides, f"train.pipeline_schedule={schedule}")
+  for name, extra in (("gpipe", ()), ("1f1b", ()), ("1f1b-bf16", bf16)):
+    cfg = load_config("deepseek-v3-671b", *overrides, *extra, f"train.pipeline_schedule={name.split('-')[0]}")
     sizes = explore.mesh_sizes(cfg, None)
-    plans[schedule] = explore.plan(explore.describe(cfg), sizes, explore.hardware("h800-80g"))
+    plans[name] = explore.plan(explore.describe(cfg), sizes, explore.hardware("h800-80g"))
   assert plans["1f1b"]["devices"] == 2048
   assert "is not divisible by pipeline x data x fsdp x expert = 2048" in plans["1f1b"]["pipeline"]
-  assert "31 microbatch stage inputs + 1 cotangents kept per stage" in plans["1f1b"]["pipeline"]
+  assert "29 microbatch stage inputs + 1 cotangents kept per stage" in plans["1f1b"]["pipeline"]
   assert "all microbatches' activations kept" in plans["gpipe"]["pipeline"]
-  for plan in plans.values():  # the 3 dense layers outside the schedule hold a whole replica batch's activations
-    assert plan["memory_per_device"]["activations"] > 100 * 2**30 and not plan["memory"]["fits"]
+  activations = {k: plan["memory_per_device"]["activations"] for k, plan in plans.items()}
+  assert activations["gpipe"] > 100 * 2**30 and not plans["gpipe"]["memory"]["fits"]
+  assert activations["1f1b"] < 8 * 2**30, activations
+  assert plans["1f1b-bf16"]["memory"]["fits"] and plans["1f1b-bf16"]["memory_per_device"]["total"] < 80 * 2**30

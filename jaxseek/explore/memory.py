@@ -234,7 +234,6 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   outer = sizes if pipeline_lib.splits_batch(cfg, sizes) else inner  # nor outside, when the batch is not split
   one_f_one_b = S > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
   runs, kept = [], 0  # (layer runs, moe, batch, sizes); bytes of 1F1B's kept stage inputs
-  after = False  # under 1F1B the stack after the pipelined one, MTP and the head run per microbatch inside it
   for stack, moe in (("dense_layers", False), ("moe_layers", True)):
     n = getattr(cfg.model, "num_moe_layers" if moe else "num_dense_layers")
     if not n:
@@ -247,13 +246,11 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
 
         table = schedules.for_config(cfg, S, R)
         kept = (table.slots + table.grad_slots) * stage_input(cfg, B // M, platform).bytes(inner)
-        kept += 2 * stage_input(cfg, B, platform).bytes(inner)  # the schedule's input and its cotangent
         runs.append((chunk, moe, B // M, inner))
-        after = True
       else:
         runs.append((pipeline_lib.num_ticks(S, M, R) * chunk, moe, B // M, inner))
-    else:
-      runs.append((n, moe, B // M, inner) if after else (n, moe, B if S > 1 else B // M, outer))
+    else:  # under 1F1B the other stack runs per microbatch inside the schedule, before or after
+      runs.append((n, moe, B // M, inner) if one_f_one_b else (n, moe, B if S > 1 else B // M, outer))
   outer_batch = B if S > 1 else B // M
   tail = (B // M, inner) if one_f_one_b else (outer_batch, outer)
   runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, *tail))

@@ -24,6 +24,7 @@ stage's layers, so fill and drain cost half as much as 1F1B's at the same stage 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 from typing import Callable
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseek.sharding.pipeline import AXIS
 
-EARLY, LOSS, READ, LATE = 0.1, 0.3, 0.5, 0.9  # where in a tick a buffer is written or read (the executor's order)
+LOSS, READ, LATE = 0.3, 0.5, 0.9  # where in a tick a buffer is written or read (the executor's order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +189,10 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
       if steps[f"{kind}_micro"][t, s] >= 0:
         raise AssertionError(f"two {kind} at stage {s}, tick {t}")
       steps[f"{kind}_micro"][t, s], steps[f"{kind}_chunk"][t, s] = m, r
-    inputs[s].append((t_f + EARLY if sent is None else sent + LATE, t_b + READ, (m, v)))
+    if v:  # virtual stage 0 recomputes its input from the batch
+      inputs[s].append((sent + LATE, t_b + READ, (m, v)))
     grads[s].append((t_f + LOSS if after is None else after + LATE, t_b + READ, (m, v)))
-  slot, grad_slot = _colour(inputs), _colour(grads)
+  slot, grad_slot = collections.defaultdict(int, _colour(inputs)), _colour(grads)
   links = {"f": {}, "b": {}}
   for (m, v), t_f in f_tick.items():
     s, t_b = place[v][0], b_tick[m, v]
@@ -211,8 +213,8 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
     if steps["f_micro"][t_b, s] >= 0 and not (v == V - 1 and f_tick[m, v] == t_b):
       steps["fused"][t_b, s] = 1
   links = {k: {d: tuple(sorted(p)) for d, p in sorted(by.items())} for k, by in links.items()}
-  return Table(S, M, R, np.asarray(virtual, np.int32), steps, 1 + max(slot.values()), 1 + max(grad_slot.values()),
-               links)
+  return Table(S, M, R, np.asarray(virtual, np.int32), steps, 1 + max(slot.values(), default=0),
+               1 + max(grad_slot.values()), links)
 
 
 def _colour(intervals: list[list[tuple[float, float, tuple]]]) -> dict:
@@ -231,19 +233,21 @@ def _colour(intervals: list[list[tuple[float, float, tuple]]]) -> dict:
   return slot
 
 
-def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: jax.Array, side_M,
-        post_fn: Callable, post_params, post_M, aux_cotangent: dict[str, float], per_row: tuple[str, ...]):
-  """The forward and backward of a pipelined stack and of the model after it, interleaved as `table` says.
+def run(table: Table, first_fn: Callable, stage_fn: Callable, post_fn: Callable, stage_params, stage_consts,
+        rest_params, batch_M, side_M, aux_cotangent: dict[str, float], per_row: tuple[str, ...]):
+  """The forward and backward of the whole model, its pipelined stack interleaved as `table` says.
 
-  stage_fn(x_bTD, chunk_params, chunk_consts, side_b) → (y_bTD, aux) runs one chunk of C layers (`stage_params`
-  and `stage_consts` leaves are [L, ...] in storage order, sharded on `pipeline`: stage s stores its chunks
-  r = 0 … R − 1 in order; aux leaves lead with C); post_fn(post_params, y_bTD, post_b) → (value, stats) is the
-  rest of the objective for one microbatch (already multiplied by the loss scale). Each aux entry k enters the
-  objective as aux_cotangent[k] · its sum (0 when absent); entries named in `per_row` are per-sequence [C, b]
-  and are summed over rows here.
+  first_fn(rest_params, batch_b) → x_bTD is the model before the pipelined stack for one microbatch (embedding
+  and the layers before it), run with virtual stage 0 on its stage; stage_fn(x_bTD, chunk_params, chunk_consts,
+  side_b) → (y_bTD, aux) runs one chunk of C layers (`stage_params` and `stage_consts` leaves are [L, ...] in
+  storage order, sharded on `pipeline`: stage s stores its chunks r = 0 … R − 1 in order; aux leaves lead with
+  C); post_fn(rest_params, y_bTD, batch_b) → (value, stats) is the rest of the objective for one microbatch
+  (already multiplied by the loss scale), run after the last virtual stage on its stage. `batch_M` and `side_M`
+  are per-microbatch trees [M, b, ...]. Each aux entry k enters the objective as aux_cotangent[k] · its sum (0
+  when absent); entries named in `per_row` are per-sequence [C, b] and are summed over rows here.
 
-  Returns (g_x_MbTD, g_stage_params, g_post_params, stats summed over microbatches, aux summed over
-  microbatches [L, ...]): the cotangent of the schedule's input, the gradients, and what the loss reported.
+  Returns (g_stage_params, g_rest_params, stats summed over microbatches, aux summed over microbatches
+  [L, ...]). Virtual stage 0 keeps no hidden state for its backward: it recomputes first_fn from the batch.
   """
   S, R = table.stages, table.repeats
   steps = {k: jnp.asarray(v) for k, v in table.steps.items()}
@@ -252,30 +256,79 @@ def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: ja
   at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
   put = lambda buf, i, value, when: buf.at[i].set(jnp.where(when, value, buf[i]))
+  add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
 
-  def per_stage(sp, sc, x_MbTD, side_M, pp, post_M):
+  def per_stage(sp, sc, rp, batch_M, side_M):
     s = jax.lax.axis_index(AXIS)
     by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), tree)
     sp_R, sc_R = by_chunk(sp), by_chunk(sc)
+    chunk = lambda x, p, r, m: stage_fn(x, p, at(sc_R, r), at(side_M, m))
+    x_shape = jax.eval_shape(lambda: first_fn(rp, at(batch_M, 0)))
 
     def forward(x, r, m):
       with jax.named_scope("pipeline_forward"):  # names the ops in HLO and profiles
-        return stage_fn(x, at(sp_R, r), at(sc_R, r), at(side_M, m))
+        first = lambda: chunk(first_fn(rp, at(batch_M, m)), at(sp_R, r), r, m)
+        return jax.lax.cond(virtual[s, r] == 0, first, lambda: chunk(x, at(sp_R, r), r, m))
 
-    y_shape, aux_shape = jax.eval_shape(forward, x_MbTD[0], 0, 0)
+    y_shape, aux_shape = jax.eval_shape(forward, jnp.zeros(x_shape.shape, x_shape.dtype), 0, 0)
     rows = {k: k in per_row for k in aux_shape}
     summed = lambda aux: {k: a.sum(-1) if rows[k] else a for k, a in aux.items()}
-    stats_shape = jax.eval_shape(lambda: post_fn(pp, x_MbTD[0], at(post_M, 0))[1])
+    stats_shape = jax.eval_shape(lambda: post_fn(rp, jnp.zeros(y_shape.shape, y_shape.dtype), at(batch_M, 0))[1])
 
-    def post_grad(y, m):
-      (_, stats), vjp = _vjp_with_aux(post_fn, pp, y, at(post_M, m))
-      g_pp, g_y = vjp(jnp.ones((), jnp.float32))
-      return g_y, g_pp, stats
+    def post_grad(y, m, g_rp):
+      (_, stats), vjp = _vjp_with_aux(post_fn, rp, y, at(batch_M, m))
+      g, g_y = vjp(jnp.ones((), jnp.float32))
+      return g_y, add(g_rp, g), stats
 
-    def backward(x, r, m, g_y):
+    def backward(x, r, m, g_y, g_rp):
+      """(cotangent of the chunk's input, the chunk's gradient, g_rp plus first_fn's gradient on virtual stage 0)."""
+      def vjp(f, *primals):
+        (_, aux), pull = jax.vjp(f, *primals)
+        return pull((g_y, {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
+
+      def first():
+        g_first, g_chunk = vjp(lambda q, p: chunk(first_fn(q, at(batch_M, m)), p, r, m), rp, at(sp_R, r))
+        return jnp.zeros(y_shape.shape, y_shape.dtype), g_chunk, add(g_rp, g_first)
+
+      def later():
+        return (*vjp(lambda x, p: chunk(x, p, r, m), x, at(sp_R, r)), g_rp)
+
       with jax.named_scope("pipeline_backward"):
-        (_, aux), vjp = jax.vjp(lambda x, p: stage_fn(x, p, at(sc_R, r), at(side_M, m)), x, at(sp_R, r))
-        return vjp((g_y, {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
+        return jax.lax.cond(virtual[s, r] == 0, first, later)
+
+    no_f = lambda: (zeros(y_shape), zeros(aux_shape))
+
+    def tick(carry, t):
+      buf, grads, g_sp, g_rp, stats, aux_acc = carry
+      fm, fr, fs, bm, br, bs, bg, lg = (steps[k][t, s] for k in (
+          "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"))
+      has_f, has_b, has_loss, fused = fm >= 0, bm >= 0, lg >= 0, steps["fused"][t, s] > 0
+      fm, fr, fs, bm, br, bs, bg, lg = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs, bg, lg))
+      run_f = lambda: forward(buf[fs], fr, fm)
+      # the buffers as they are when it is called (before this tick's writes in the fused branch, after them alone)
+      run_b = lambda g_rp: backward(buf[bs], br, bm, grads[bg], g_rp)
+      no_b = lambda g_rp: (zeros(y_shape), zeros(at(sp_R, 0)), g_rp)
+      if fusing:  # independent F and B in one branch (one computation XLA schedules as a whole)
+        (y, aux), (g_xb, g_chunk, g_rp) = jax.lax.switch(
+            jnp.where(fused, 2, has_f.astype(jnp.int32)),
+            [lambda g: (no_f(), no_b(g)), lambda g: (run_f(), no_b(g)), lambda g: (run_f(), run_b(g))], g_rp)
+      else:
+        y, aux = jax.lax.cond(has_f, run_f, no_f)
+      aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
+                             summed(aux))
+      # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
+      g_y, g_rp, stats_m = jax.lax.cond(has_loss, lambda g: post_grad(y, fm, g),
+                                        lambda g: (zeros(y_shape), g, zeros(stats_shape)), g_rp)
+      grads = put(grads, lg, g_y, has_loss)
+      stats = jax.tree.map(jnp.add, stats, stats_m)
+      if fusing:  # the backwards not run with the forward (those that read this tick's loss, or alone)
+        late = jax.lax.cond(has_b & ~fused, run_b, no_b, g_rp)
+        g_xb, g_chunk, g_rp = jax.tree.map(lambda a, b: jnp.where(fused, a, b), (g_xb, g_chunk, g_rp), late)
+      else:
+        g_xb, g_chunk, g_rp = jax.lax.cond(has_b, run_b, no_b, g_rp)
+      g_sp = jax.tree.map(lambda acc, g: acc.at[br].add(g), g_sp, g_chunk)
+      buf, grads = send("f", y, buf, t), send("b", g_xb, grads, t)
+      return (buf, grads, g_sp, g_rp, stats, aux_acc), None
 
     def send(kind, value, buf, t):
       """`value` to every stage that receives by a link of `kind`, stored in the slot the table names."""
@@ -285,60 +338,23 @@ def run(table: Table, stage_fn: Callable, stage_params, stage_consts, x_MbTD: ja
         buf = put(buf, jnp.maximum(slot, 0), got, slot >= 0)
       return buf
 
-    no_f = lambda: (zeros(y_shape), zeros(aux_shape))
-    no_b = lambda: (zeros(y_shape), zeros(at(sp_R, 0)))
-
-    def tick(carry, t):
-      buf, grads, g_sp, g_pp, stats, aux_acc, g_x = carry
-      fm, fr, fs, bm, br, bs, bg, lg = (steps[k][t, s] for k in (
-          "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"))
-      has_f, has_b, has_loss, fused = fm >= 0, bm >= 0, lg >= 0, steps["fused"][t, s] > 0
-      fm, fr, fs, bm, br, bs, bg, lg = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs, bg, lg))
-      x_in = jnp.where(virtual[s, fr] == 0, x_MbTD[fm], buf[fs])
-      run_b = lambda: backward(buf[bs], br, bm, grads[bg])  # the buffers as they are when it is called
-      if fusing:  # independent F and B in one branch (one computation XLA schedules as a whole)
-        (y, aux), (g_xb, g_chunk) = jax.lax.switch(
-            jnp.where(fused, 2, has_f.astype(jnp.int32)),
-            [lambda: (no_f(), no_b()), lambda: (forward(x_in, fr, fm), no_b()),
-             lambda: (forward(x_in, fr, fm), run_b())])
-      else:
-        y, aux = jax.lax.cond(has_f, lambda: forward(x_in, fr, fm), no_f)
-      buf = put(buf, fs, x_in, has_f)
-      aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
-                             summed(aux))
-      # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
-      g_y, g_pp_m, stats_m = jax.lax.cond(has_loss, lambda: post_grad(y, fm),
-                                          lambda: (zeros(y_shape), zeros(pp), zeros(stats_shape)))
-      grads = put(grads, lg, g_y, has_loss)
-      g_pp, stats = jax.tree.map(jnp.add, g_pp, g_pp_m), jax.tree.map(jnp.add, stats, stats_m)
-      if fusing:  # the backwards not run with the forward (those that read this tick's loss, or alone)
-        late = jax.lax.cond(has_b & ~fused, run_b, no_b)
-        g_xb, g_chunk = jax.tree.map(lambda a, b: jnp.where(fused, a, b), (g_xb, g_chunk), late)
-      else:
-        g_xb, g_chunk = jax.lax.cond(has_b, run_b, no_b)
-      g_sp = jax.tree.map(lambda acc, g: acc.at[br].add(g), g_sp, g_chunk)
-      g_x = put(g_x, bm, g_xb, has_b & (virtual[s, br] == 0))
-      buf, grads = send("f", y, buf, t), send("b", g_xb, grads, t)
-      return (buf, grads, g_sp, g_pp, stats, aux_acc, g_x), None
-
-    x0 = jnp.zeros_like(x_MbTD[0])
     aux_init = zeros(jax.eval_shape(lambda: jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype),
                                                          summed(zeros(aux_shape)))))
-    init = (jnp.zeros((table.slots, *x0.shape), x0.dtype), jnp.zeros((table.grad_slots, *x0.shape), x0.dtype),
-            zeros(sp_R), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), pp), zeros(stats_shape),
-            aux_init, jnp.zeros_like(x_MbTD))
+    init = (jnp.zeros((table.slots, *x_shape.shape), x_shape.dtype),
+            jnp.zeros((table.grad_slots, *x_shape.shape), x_shape.dtype), zeros(sp_R),
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rp), zeros(stats_shape), aux_init)
     carry, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
-    _, _, g_sp, g_pp, stats, aux_acc, g_x = carry
+    _, _, g_sp, g_rp, stats, aux_acc = carry
     shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
     g_sp = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), g_sp)
     aux_acc = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_acc)
-    return shared(g_x), g_sp, shared(g_pp), shared(stats), aux_acc
+    return g_sp, shared(g_rp), shared(stats), aux_acc
 
-  g_x, g_sp, g_pp, stats, aux = jax.shard_map(
-      per_stage, in_specs=(P(AXIS), P(AXIS), P(), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS},
-      check_vma=False)(stage_params, stage_consts, x_MbTD, side_M, post_params, post_M)
+  g_sp, g_rp, stats, aux = jax.shard_map(
+      per_stage, in_specs=(P(AXIS), P(AXIS), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS},
+      check_vma=False)(stage_params, stage_consts, rest_params, batch_M, side_M)
   total = lambda tree: jax.tree.map(lambda a: a.sum(0), tree)
-  return total(g_x), g_sp, total(g_pp), total(stats), aux
+  return g_sp, total(g_rp), total(stats), aux
 
 
 def _vjp_with_aux(fn, params, h, inputs):
