@@ -10,8 +10,8 @@ slot chosen by the table) until the tick that uses it: a stage input stays there
 1F1B (`one_f_one_b`; ring placement v = r·S + s): the last virtual stage runs the loss and the backward of a
 microbatch in the tick of its forward, and the backward of virtual stage v runs R·S − 1 − v ticks later, so
 cotangents flow back one stage a tick while new forwards still flow in: after a warm-up every stage runs one
-forward and one backward each tick, and keeps about 2·R·S stage inputs, bounded by the stage count, not by the
-number of microbatches M. Ticks with no work in a slot skip it (a conditional).
+forward and one backward each tick, and keeps fewer than 2·R·S stage inputs, bounded by the stage count, not
+by the number of microbatches M (virtual stage 0 keeps none: it recomputes the embedding from the batch). Ticks with no work in a slot skip it (a conditional).
 
 DualPipeV (`dualpipev`; V placement: stage s holds virtual stages s and 2S − 1 − s, so the batch enters and
 the loss runs on stage 0): DeepSeek's cut-in-half DualPipe order. Each stage runs its program of forwards of
