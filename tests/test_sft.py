@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, load_config
 from flax import nnx
 
+from jaxseek import objective as objective_lib
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError
 from jaxseek.input import chat, pipeline, prepare, shards
@@ -188,7 +189,7 @@ def test_masked_loss_equals_numpy_and_prompt_targets_get_no_gradient():
   batch = {k: jnp.asarray(v, jnp.float32 if k == "loss_mask" else jnp.int32)
            for k, v in _batch(rng, cfg.model.vocab_size, mask).items()}
   with jax.set_mesh(mesh):
-    objective = step_lib.objective_fn(trainer, cfg, state, step_lib.step_batch(cfg, batch), 1)
+    objective = objective_lib.objective_fn(trainer, cfg, state, step_lib.step_batch(cfg, batch), 1)
     grad = jax.jit(lambda params, b: jax.grad(objective, has_aux=True)(params, step_lib.step_batch(cfg, b))[0])
     model = nnx.merge(trainer.graphdef, state.params, state.biases)
     logits = np.asarray(jax.jit(lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]))(model, batch),

@@ -1,0 +1,174 @@
+"""The objective of a microbatch and its gradient over the whole batch: accumulated over microbatches by a scan,
+or through a pipeline table schedule (1F1B, interleaved 1F1B, DualPipeV) with the whole model run per
+microbatch inside it.
+
+objective = CE + λ/depth · Σ_k CE_k (multi-token prediction) + aux_loss_alpha · Σ_layers balance loss, each CE a
+sum over the microbatch divided by the whole batch's token count, so the microbatches' gradients add up to the
+full batch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxseek import config as config_lib
+from jaxseek.model import loss as loss_lib
+from jaxseek.model import remat as remat_lib
+from jaxseek.sharding import pipeline as pipeline_lib
+from jaxseek.sharding import schedules
+from jaxseek.sharding.rules import shard
+
+if TYPE_CHECKING:
+  from jaxseek.step import Trainer, TrainState
+
+
+def token_count(mask: jax.Array) -> jax.Array:
+  return jnp.maximum(mask.sum(), 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossNorms:
+  """What turns one microbatch's sums into its share of the objective: the whole batch's token counts (main and
+  per MTP depth), the balance divisor (microbatches × data shards: the balance terms are means over a
+  microbatch's rows) and the loss scale."""
+
+  tokens: jax.Array
+  mtp_tokens: list
+  balance_divisor: int
+  loss_scale: jax.Array
+
+
+def loss_norms(cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array], n_micro: int) -> LossNorms:
+  depth = cfg.model.num_nextn_predict_layers
+  # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
+  data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
+  return LossNorms(token_count(batch["loss_mask"]), [token_count(batch[f"mtp_mask_{k}"]) for k in range(1, depth + 1)],
+                   n_micro * data_shards, state.loss_scale)
+
+
+def loss_terms(cfg: config_lib.Config, model: nnx.Module, h_BTD: jax.Array | None, aux: dict, mb: dict,
+               norms: LossNorms):
+  """(objective · loss scale, (ce_sum, mtp_sums, balance, loads)) of a microbatch from the final hidden state
+  (None: the part of the model before it, with no loss of its own) and the aux entries of the layers it ran."""
+  depth = cfg.model.num_nextn_predict_layers
+  alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
+  balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
+  loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
+  value = alpha * balance / norms.balance_divisor  # balance: a mean over rows
+  ce_sum, mtp_sums = jnp.zeros((), jnp.float32), jnp.zeros((depth if h_BTD is not None else 0,), jnp.float32)
+  if h_BTD is not None:
+    head_DV = model.head()
+    ce = lambda h, targets, mask: loss_lib.cross_entropy_sum(h, head_DV, targets, mask, cfg.train.loss_impl)
+    ce_sum = ce(h_BTD, mb["targets"], mb["loss_mask"])
+    if depth:
+      mtp_sums = jnp.stack([ce(aux["mtp_hidden"][k - 1], mb[f"mtp_targets_{k}"], mb[f"mtp_mask_{k}"])
+                            for k in range(1, depth + 1)])
+      value += mtp_weight / depth * sum(mtp_sums[k] / norms.mtp_tokens[k] for k in range(depth))
+    value += ce_sum / norms.tokens
+  return value * norms.loss_scale, (ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads)
+
+
+def mtp_arrays(cfg: config_lib.Config, mb: dict[str, jax.Array]) -> tuple[list, list]:
+  """What the multi-token-prediction depths read: their input tokens and where they have a target."""
+  depth = cfg.model.num_nextn_predict_layers
+  return [mb[f"mtp_inputs_{k}"] for k in range(1, depth + 1)], [mb[f"mtp_valid_{k}"] for k in range(1, depth + 1)]
+
+
+def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array],
+                 n_micro: int) -> Callable:
+  """(params, microbatch) → (objective · loss scale, (ce_sum, mtp_sums, balance, loads)); the token counts that
+  normalise the losses are the whole batch's."""
+  norms = loss_norms(cfg, state, batch, n_micro)
+
+  def objective(params, mb):
+    model = nnx.merge(trainer.graphdef, params, state.biases)
+    h_BTD, aux = model.forward(mb["inputs"], mb.get("positions"), mb.get("segment_ids"), *mtp_arrays(cfg, mb),
+                               logits=False)
+    return loss_terms(cfg, model, h_BTD, aux, mb, norms)
+
+  return objective
+
+
+def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainState, params,
+                        batch: dict[str, jax.Array]):
+  """(grads, ce_sum, mtp_sums, balance, loads) of `batch` with a table schedule (sharding/schedules.py: 1F1B,
+  interleaved 1F1B, DualPipeV). All of the model runs per microbatch inside it: the embedding and the layers
+  before the pipelined stack with its first virtual stage, the stack chunk by chunk, the layers after it, the
+  head and the loss after its last virtual stage."""
+  S, M = pipeline_lib.stages(), cfg.train.microbatches
+  name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
+  n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
+  table = schedules.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
+  norms = loss_norms(cfg, state, batch, M)
+  model = nnx.merge(trainer.graphdef, params, state.biases)
+  stack = getattr(model, name)
+  setattr(model, name, None)  # the rest of the model: what runs outside the stack
+  rest_graphdef, rest_params, rest_other = nnx.split(model, nnx.Param, ...)
+  blocks_graphdef, stack_params, stack_consts = nnx.split(stack.blocks, nnx.Param, ...)
+  order = pipeline_lib.STACKS
+  before, after = order[:order.index(name)], order[order.index(name) + 1:]
+  rest = lambda p: nnx.merge(rest_graphdef, p, rest_other)
+
+  def first(p, mb):
+    m = rest(p)
+    x_bTD, positions_bT, valid_bT = m.begin(mb["inputs"], mb["positions"], mb["segment_ids"])
+    x_bTD, aux = m.run_stacks(x_bTD, positions_bT, mb["segment_ids"], valid_bT, before)
+    if aux:  # the stack before the larger one is the dense stack (pipeline.STACKS order)
+      raise NotImplementedError(f"layers with auxiliary outputs before the pipelined stack: {sorted(aux)}")
+    return x_bTD
+
+  def post(p, y_bTD, mb):
+    m = rest(p)
+    valid_bT = (mb["segment_ids"] > 0).astype(jnp.float32)
+    y_bTD, aux = m.run_stacks(y_bTD, mb["positions"], mb["segment_ids"], valid_bT, after)
+    h_bTD, aux = m.finish(y_bTD, aux, mb["inputs"], mb["positions"], mb["segment_ids"], valid_bT,
+                          *mtp_arrays(cfg, mb), logits=False)
+    return loss_terms(cfg, m, h_bTD, aux, mb, norms)
+
+  body = remat_lib.wrap(lambda x, layer_p, layer_c, side: nnx.merge(blocks_graphdef, layer_p, layer_c)(x, *side),
+                        cfg.train.remat)
+
+  def stage(x_bTD, chunk_p, chunk_c, side):
+    return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c))
+
+  B, T = batch["inputs"].shape
+  batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))))
+  split = lambda tree: jax.tree.map(lambda a: pipeline_lib.split_microbatches(a, M), tree)
+  valid = (batch["segment_ids"] > 0).astype(jnp.float32)
+  side_M = split((batch["positions"], batch["segment_ids"], valid))
+  alpha = cfg.model.aux_loss_alpha * state.loss_scale / (B * norms.balance_divisor // M)
+  g_stack, g_rest, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run(
+      table, first, stage, post, stack_params, stack_consts, rest_params, split(batch), side_M, {"balance": alpha},
+      ("balance",))
+  g_rest = jax.tree.map(lambda g, p: g.astype(p.dtype), g_rest, rest_params)
+  grads = nnx.merge_state(g_rest, nnx.State({name: nnx.State({"blocks": g_stack})}))
+  stage_aux = pipeline_lib.zero_padding_rows(stage_aux, stored=jax.tree.leaves(stack_params)[0].shape[0],
+                                             num_layers=n_layers)
+  balance = post_balance / M + (stage_aux["balance"].sum() / B if "balance" in stage_aux else 0.0)
+  loads = {**post_loads, **{k: v for k, v in stage_aux.items() if k != "balance"}}
+  return grads, ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads
+
+
+def accumulated_gradients(grad_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
+  """(grads, ce_sum, mtp_sums, balance, loads) of `batch`, summed over `n_micro` microbatches by a scan (the
+  balance term averaged)."""
+  if n_micro == 1:
+    (_, aux), grads = grad_fn(params, batch)
+    return (grads, *aux)
+
+  def accumulate(carry, mb):
+    mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
+    (_, aux), g = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, carry, (g, *aux)), None
+
+  first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
+  (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, first)
+  init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (params, *aux_shapes))
+  microbatches = jax.tree.map(lambda v: pipeline_lib.split_microbatches(v, n_micro), batch)
+  (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, microbatches)
+  return grads, ce_sum, mtp_sums, balance / n_micro, loads
