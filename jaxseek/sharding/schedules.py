@@ -44,8 +44,9 @@ class Table:
   """A schedule for S stages, M microbatches, R chunks per stage. `steps` holds [ticks, S] int32 columns, −1
   where nothing happens: f_micro / f_chunk / f_slot (the forward, and the buffer slot of its input), b_micro /
   b_chunk / b_slot / b_grad (the backward, its stage input's slot and its cotangent's slot), loss_grad (where
-  the loss's cotangent goes, in the tick of a last virtual stage's forward), and per link offset d (a stage s
-  sends to s + d mod S) f_in{d} / b_in{d}: the slot an arriving activation or cotangent is stored in."""
+  the loss's cotangent goes, in the tick of a last virtual stage's forward), fused (1 where the forward and
+  the backward run in one branch), and per link offset d (a stage s sends to s + d mod S) f_in{d} / b_in{d}:
+  the slot an arriving activation or cotangent is stored in."""
 
   stages: int
   microbatches: int
