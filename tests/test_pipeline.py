@@ -61,7 +61,7 @@ DUALPIPEV = ("train.pipeline_schedule=dualpipev", "train.pipeline_repeats=2")
 
 # Seeds: with some seeds a near-tie in a tiny model's routing (or, dense, float32 rounding over 5 steps) is
 # decided differently by the pipelined and the single-device programs, whose roundings differ by ~1e-7; the
-# seeds here keep every schedule's run within 1e-6 of one device's.
+# seeds here keep every schedule's run within 3e-6 of one device's.
 @pytest.mark.parametrize("name, layers, mesh, micro, model", [
     ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.data=2", ONE_F_ONE_B), 8, ()),  # the dense layer before the schedule
     ("tiny-dense", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", INTERLEAVED), 4, ()),  # 8 rows
