@@ -67,12 +67,13 @@ DUALPIPEV = ("train.pipeline_schedule=dualpipev", "train.pipeline_repeats=2")
     ("tiny-dense", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", INTERLEAVED), 4, ()),  # 8 rows
     ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2", INTERLEAVED), 8,
      ("train.seed=3",)),  # 8 MoE layers in 2 chunks of 1 per stage
-    ("tiny-dense", 8, ("mesh.pipeline=2", "mesh.data=4", *DUALPIPEV), 4, ("train.seed=1",)),
+    # M = S < 2S: DeepSeek's order with the missing microbatches left out
+    ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", *DUALPIPEV), 4, ("train.seed=1",)),
     ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", *DUALPIPEV), 8, ("train.seed=1",)),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2", *DUALPIPEV), 4,
      ("model.num_nextn_predict_layers=1",)),  # MTP and the head inside the schedule, tensor-split vocabulary
     ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", *DUALPIPEV), 8, ("train.seed=3",)),
-], ids=["v3-p4-m8-1f1b", "dense5-p2-r2-m4-interleaved-padded", "v3-p4-r2-m8-interleaved", "dense-p2-m4-dualpipev",
+], ids=["v3-p4-m8-1f1b", "dense5-p2-r2-m4-interleaved-padded", "v3-p4-r2-m8-interleaved", "dense-p4-m4-dualpipev",
         "dense-p4-m8-dualpipev", "v3-p2e2t2-m4-mtp-dualpipev", "v3-p4-m8-dualpipev"])
 def test_memory_bounded_schedules_equal_single_device(name, layers, mesh, micro, model):
   """1F1B, interleaved 1F1B and DualPipeV: losses, gradient norms, per-layer expert loads and bias ranges over 5
