@@ -250,112 +250,149 @@ def run(table: Table, first_fn: Callable, stage_fn: Callable, post_fn: Callable,
   Returns (g_stage_params, g_rest_params, stats summed over microbatches, aux summed over microbatches
   [L, ...]). Virtual stage 0 keeps no hidden state for its backward: it recomputes first_fn from the batch.
   """
-  S, R = table.stages, table.repeats
-  steps = {k: jnp.asarray(v) for k, v in table.steps.items()}
-  fusing = bool(table.steps["fused"].any())
-  virtual = jnp.asarray(table.virtual)
-  at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-  zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-  put = lambda buf, i, value, when: buf.at[i].set(jnp.where(when, value, buf[i]))
-  add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+  R = table.repeats
 
   def per_stage(sp, sc, rp, batch_M, side_M):
-    s = jax.lax.axis_index(AXIS)
-    by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), tree)
-    sp_R, sc_R = by_chunk(sp), by_chunk(sc)
-    chunk = lambda x, p, r, m: stage_fn(x, p, at(sc_R, r), at(side_M, m))
-    x_shape = jax.eval_shape(lambda: first_fn(rp, at(batch_M, 0)))
-
-    def forward(x, r, m):
-      with jax.named_scope("pipeline_forward"):  # names the ops in HLO and profiles
-        first = lambda: chunk(first_fn(rp, at(batch_M, m)), at(sp_R, r), r, m)
-        return jax.lax.cond(virtual[s, r] == 0, first, lambda: chunk(x, at(sp_R, r), r, m))
-
-    y_shape, aux_shape = jax.eval_shape(forward, jnp.zeros(x_shape.shape, x_shape.dtype), 0, 0)
-    rows = {k: k in per_row for k in aux_shape}
-    summed = lambda aux: {k: a.sum(-1) if rows[k] else a for k, a in aux.items()}
-    stats_shape = jax.eval_shape(lambda: post_fn(rp, jnp.zeros(y_shape.shape, y_shape.dtype), at(batch_M, 0))[1])
-
-    def post_grad(y, m, g_rp):
-      (_, stats), vjp = _vjp_with_aux(post_fn, rp, y, at(batch_M, m))
-      g, g_y = vjp(jnp.ones((), jnp.float32))
-      return g_y, add(g_rp, g), stats
-
-    def backward(x, r, m, g_y, g_rp):
-      """(cotangent of the chunk's input, the chunk's gradient, g_rp plus first_fn's gradient on virtual stage 0)."""
-      def vjp(f, *primals):
-        (_, aux), pull = jax.vjp(f, *primals)
-        return pull((g_y, {k: _cotangent(a, aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
-
-      def first():
-        g_first, g_chunk = vjp(lambda q, p: chunk(first_fn(q, at(batch_M, m)), p, r, m), rp, at(sp_R, r))
-        return jnp.zeros(y_shape.shape, y_shape.dtype), g_chunk, add(g_rp, g_first)
-
-      def later():
-        return (*vjp(lambda x, p: chunk(x, p, r, m), x, at(sp_R, r)), g_rp)
-
-      with jax.named_scope("pipeline_backward"):
-        return jax.lax.cond(virtual[s, r] == 0, first, later)
-
-    no_f = lambda: (zeros(y_shape), zeros(aux_shape))
-
-    def tick(carry, t):
-      buf, grads, g_sp, g_rp, stats, aux_acc = carry
-      fm, fr, fs, bm, br, bs, bg, lg = (steps[k][t, s] for k in (
-          "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"))
-      has_f, has_b, has_loss, fused = fm >= 0, bm >= 0, lg >= 0, steps["fused"][t, s] > 0
-      fm, fr, fs, bm, br, bs, bg, lg = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs, bg, lg))
-      run_f = lambda: forward(buf[fs], fr, fm)
-      # the buffers as they are when it is called (before this tick's writes in the fused branch, after them alone)
-      run_b = lambda g_rp: backward(buf[bs], br, bm, grads[bg], g_rp)
-      no_b = lambda g_rp: (zeros(y_shape), zeros(at(sp_R, 0)), g_rp)
-      if fusing:  # independent F and B in one branch (one computation XLA schedules as a whole)
-        (y, aux), (g_xb, g_chunk, g_rp) = jax.lax.switch(
-            jnp.where(fused, 2, has_f.astype(jnp.int32)),
-            [lambda g: (no_f(), no_b(g)), lambda g: (run_f(), no_b(g)), lambda g: (run_f(), run_b(g))], g_rp)
-      else:
-        y, aux = jax.lax.cond(has_f, run_f, no_f)
-      aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
-                             summed(aux))
-      # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
-      g_y, g_rp, stats_m = jax.lax.cond(has_loss, lambda g: post_grad(y, fm, g),
-                                        lambda g: (zeros(y_shape), g, zeros(stats_shape)), g_rp)
-      grads = put(grads, lg, g_y, has_loss)
-      stats = jax.tree.map(jnp.add, stats, stats_m)
-      if fusing:  # the backwards not run with the forward (those that read this tick's loss, or alone)
-        late = jax.lax.cond(has_b & ~fused, run_b, no_b, g_rp)
-        g_xb, g_chunk, g_rp = jax.tree.map(lambda a, b: jnp.where(fused, a, b), (g_xb, g_chunk, g_rp), late)
-      else:
-        g_xb, g_chunk, g_rp = jax.lax.cond(has_b, run_b, no_b, g_rp)
-      g_sp = jax.tree.map(lambda acc, g: acc.at[br].add(g), g_sp, g_chunk)
-      buf, grads = send("f", y, buf, t), send("b", g_xb, grads, t)
-      return (buf, grads, g_sp, g_rp, stats, aux_acc), None
-
-    def send(kind, value, buf, t):
-      """`value` to every stage that receives by a link of `kind`, stored in the slot the table names."""
-      for d, pairs in table.links[kind].items():
-        got = value if d == 0 else jax.lax.ppermute(value, AXIS, list(pairs))
-        slot = steps[f"{kind}_in{d}"][t, s]
-        buf = put(buf, jnp.maximum(slot, 0), got, slot >= 0)
-      return buf
-
-    aux_init = zeros(jax.eval_shape(lambda: jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype),
-                                                         summed(zeros(aux_shape)))))
-    init = (jnp.zeros((table.slots, *x_shape.shape), x_shape.dtype),
-            jnp.zeros((table.grad_slots, *x_shape.shape), x_shape.dtype), zeros(sp_R),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), rp), zeros(stats_shape), aux_init)
-    carry, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
+    stage = _Stage(table, first_fn, stage_fn, post_fn, sp, sc, rp, batch_M, side_M, aux_cotangent, per_row)
+    carry, _ = jax.lax.scan(stage.tick, stage.init(), jnp.arange(table.ticks))
     _, _, g_sp, g_rp, stats, aux_acc = carry
     shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
-    g_sp = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), g_sp)
-    aux_acc = jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_acc)
-    return g_sp, shared(g_rp), shared(stats), aux_acc
+    rows = lambda tree: jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), tree)  # [R, C] → rows
+    return rows(g_sp), shared(g_rp), shared(stats), rows(aux_acc)
 
   g_sp, g_rp, stats, aux = jax.shard_map(
       per_stage, in_specs=(P(AXIS), P(AXIS), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS},
       check_vma=False)(stage_params, stage_consts, rest_params, batch_M, side_M)
   total = lambda tree: jax.tree.map(lambda a: a.sum(0), tree)
   return g_sp, total(g_rp), total(stats), aux
+
+
+def _zeros(tree):
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def _put(buf: jax.Array, i, value: jax.Array, when) -> jax.Array:
+  return buf.at[i].set(jnp.where(when, value, buf[i]))
+
+
+def _add(acc, g):
+  return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+
+
+class _Stage:
+  """What one stage runs inside `run`'s shard_map (its own parameters and the whole batch's microbatches): the
+  tick of the schedule and its parts. The scan's carry is (stage-input buffer, cotangent buffer, chunk
+  gradients [R, C, ...], gradients of the rest of the model, loss stats, aux [R, C, ...])."""
+
+  def __init__(self, table: Table, first_fn, stage_fn, post_fn, sp, sc, rp, batch_M, side_M, aux_cotangent,
+               per_row):
+    self.table, self.first_fn, self.stage_fn, self.post_fn = table, first_fn, stage_fn, post_fn
+    self.rp, self.batch_M, self.side_M, self.aux_cotangent = rp, batch_M, side_M, aux_cotangent
+    self.s = jax.lax.axis_index(AXIS)
+    self.steps = {k: jnp.asarray(v) for k, v in table.steps.items()}
+    self.virtual = jnp.asarray(table.virtual)
+    self.fusing = bool(table.steps["fused"].any())
+    by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(table.repeats, -1, *a.shape[1:]), tree)
+    self.sp_R, self.sc_R = by_chunk(sp), by_chunk(sc)
+    self.x_shape = jax.eval_shape(lambda: first_fn(rp, _at(batch_M, 0)))
+    self.y_shape, self.aux_shape = jax.eval_shape(self.forward, jnp.zeros(self.x_shape.shape, self.x_shape.dtype),
+                                                  0, 0)
+    self.rows = {k: k in per_row for k in self.aux_shape}
+    self.stats_shape = jax.eval_shape(
+        lambda: post_fn(rp, jnp.zeros(self.y_shape.shape, self.y_shape.dtype), _at(batch_M, 0))[1])
+
+  def chunk(self, x, p, r, m):
+    return self.stage_fn(x, p, _at(self.sc_R, r), _at(self.side_M, m))
+
+  def first(self, m):
+    return self.first_fn(self.rp, _at(self.batch_M, m))
+
+  def forward(self, x, r, m):
+    """Chunk r on microbatch m; on virtual stage 0 from the batch (first_fn), else from `x`."""
+    with jax.named_scope("pipeline_forward"):  # names the ops in HLO and profiles
+      return jax.lax.cond(self.virtual[self.s, r] == 0, lambda: self.chunk(self.first(m), _at(self.sp_R, r), r, m),
+                          lambda: self.chunk(x, _at(self.sp_R, r), r, m))
+
+  def backward(self, x, r, m, g_y, g_rp):
+    """(cotangent of the chunk's input, the chunk's gradient, g_rp plus first_fn's gradient on virtual stage 0),
+    the chunk recomputed from its kept input (or from the batch)."""
+    def vjp(f, *primals):
+      (_, aux), pull = jax.vjp(f, *primals)
+      return pull((g_y, {k: _cotangent(a, self.aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
+
+    def first():
+      g_first, g_chunk = vjp(lambda q, p: self.chunk(self.first_fn(q, _at(self.batch_M, m)), p, r, m), self.rp,
+                             _at(self.sp_R, r))
+      return jnp.zeros(self.y_shape.shape, self.y_shape.dtype), g_chunk, _add(g_rp, g_first)
+
+    def later():
+      return (*vjp(lambda x, p: self.chunk(x, p, r, m), x, _at(self.sp_R, r)), g_rp)
+
+    with jax.named_scope("pipeline_backward"):
+      return jax.lax.cond(self.virtual[self.s, r] == 0, first, later)
+
+  def post_grad(self, y, m, g_rp):
+    """The loss of microbatch m after the last virtual stage: (its cotangent, g_rp plus its gradient, stats)."""
+    (_, stats), vjp = _vjp_with_aux(self.post_fn, self.rp, y, _at(self.batch_M, m))
+    g, g_y = vjp(jnp.ones((), jnp.float32))
+    return g_y, _add(g_rp, g), stats
+
+  def send(self, kind: str, value: jax.Array, buf: jax.Array, t) -> jax.Array:
+    """`value` to every stage that receives by a link of `kind`, stored in the slot the table names."""
+    for d, pairs in self.table.links[kind].items():
+      got = value if d == 0 else jax.lax.ppermute(value, AXIS, list(pairs))
+      slot = self.steps[f"{kind}_in{d}"][t, self.s]
+      buf = _put(buf, jnp.maximum(slot, 0), got, slot >= 0)
+    return buf
+
+  def init(self):
+    summed = jax.eval_shape(lambda: self.summed(_zeros(self.aux_shape)))
+    table, x = self.table, self.x_shape
+    return (jnp.zeros((table.slots, *x.shape), x.dtype), jnp.zeros((table.grad_slots, *x.shape), x.dtype),
+            _zeros(self.sp_R), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.rp),
+            _zeros(self.stats_shape), jax.tree.map(lambda a: jnp.zeros((table.repeats, *a.shape), a.dtype), summed))
+
+  def summed(self, aux):
+    return {k: a.sum(-1) if self.rows[k] else a for k, a in aux.items()}
+
+  def tick(self, carry, t):
+    """One tick: the forward (with the backward when the table fuses them), the loss where a microbatch leaves
+    the last virtual stage, the backward, then the sends."""
+    buf, grads, g_sp, g_rp, stats, aux_acc = carry
+    fm, fr, fs, bm, br, bs, bg, lg, fused = (self.steps[k][t, self.s] for k in (
+        "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad", "fused"))
+    has_f, has_b, has_loss, fused = fm >= 0, bm >= 0, lg >= 0, fused > 0
+    fm, fr, fs, bm, br, bs, bg, lg = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs, bg, lg))
+    no_f = lambda: _zeros((self.y_shape, self.aux_shape))
+    no_b = lambda g_rp: (*_zeros((self.y_shape, _at(self.sp_R, 0))), g_rp)
+    run_f = lambda: self.forward(buf[fs], fr, fm)
+    # reads the buffers as they are when called: before this tick's writes in the fused branch, after them alone
+    run_b = lambda g_rp: self.backward(buf[bs], br, bm, grads[bg], g_rp)
+    if self.fusing:  # independent F and B in one branch (one computation XLA schedules as a whole)
+      (y, aux), (g_xb, g_chunk, g_rp) = jax.lax.switch(
+          jnp.where(fused, 2, has_f.astype(jnp.int32)),
+          [lambda g: (no_f(), no_b(g)), lambda g: (run_f(), no_b(g)), lambda g: (run_f(), run_b(g))], g_rp)
+    else:
+      y, aux = jax.lax.cond(has_f, run_f, no_f)
+    aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
+                           self.summed(aux))
+    # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
+    g_y, g_rp, stats_m = jax.lax.cond(has_loss, lambda g: self.post_grad(y, fm, g),
+                                      lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
+    grads = _put(grads, lg, g_y, has_loss)
+    stats = jax.tree.map(jnp.add, stats, stats_m)
+    if self.fusing:  # the backwards not run with the forward (those that read this tick's loss, or alone)
+      late = jax.lax.cond(has_b & ~fused, run_b, no_b, g_rp)
+      g_xb, g_chunk, g_rp = jax.tree.map(lambda a, b: jnp.where(fused, a, b), (g_xb, g_chunk, g_rp), late)
+    else:
+      g_xb, g_chunk, g_rp = jax.lax.cond(has_b, run_b, no_b, g_rp)
+    g_sp = jax.tree.map(lambda acc, g: acc.at[br].add(g), g_sp, g_chunk)
+    buf, grads = self.send("f", y, buf, t), self.send("b", g_xb, grads, t)
+    return (buf, grads, g_sp, g_rp, stats, aux_acc), None
+
+
+def _at(tree, i):
+  return jax.tree.map(lambda a: a[i], tree)
 
 
 def _vjp_with_aux(fn, params, h, inputs):
