@@ -1,6 +1,7 @@
 """Every test sees 8 simulated CPU devices; tiny configs come from configs/. Helpers shared by the test files."""
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -14,9 +15,17 @@ if os.environ.get("JAXSEEK_TEST_DEFAULT_OPT") != "1":
   os.environ.setdefault("XLA_FLAGS", " ".join(TEST_XLA_FLAGS))
 
 # Many tests compile the same programs (the single-device references of the exactness tests, the same tiny
-# models in subprocesses): XLA's persistent compilation cache, one per checkout, shared by the workers and the
-# subprocesses they start (the environment carries it), compiles each once. Keys are the programs themselves.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+# models in subprocesses): XLA's persistent compilation cache, shared by the workers and the subprocesses they
+# start (the environment carries it), compiles each once. It lives for one test session: the first process of a
+# session (pytest itself, before it starts its workers) empties it. Across sessions, a multi-device step that
+# XLA:CPU loads back from the cache can deadlock in its collectives (seen with the ring-attention step: two of
+# the eight device threads wait in a collective-permute, six in an all-reduce, under one op id, until XLA aborts
+# the process), where the same program compiled afresh runs.
+CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  if "PYTEST_XDIST_WORKER" not in os.environ:  # the session's own process (xdist workers inherit the variable)
+    shutil.rmtree(CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
