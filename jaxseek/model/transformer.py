@@ -79,7 +79,8 @@ class Stack(nnx.Module):
     if repeats:
       layout = (pipeline.stages(), self.pipeline_repeats)
       ring = pipeline.relayout_index(self.num_layers, (*layout, self.pipeline_shape), (*layout, "ring"))
-      if ring is not None:  # a forward outside DualPipeV's own schedule (evaluation): its layers moved once
+      if ring is not None:  # a forward outside DualPipeV's own schedule (evaluation): the V's layers gathered
+        # into ring order at each call (the rows that change stage cross the pipeline axis)
         state = jax.tree.map(lambda a: jnp.take(a, ring, axis=0), state)
       out, aux = pipeline.run(body, state, x_BTD, side, self.microbatches, repeats, num_layers=self.num_layers)
       return out, aux if ring is None else jax.tree.map(lambda a: jnp.take(a, np.argsort(ring), axis=0), aux)
