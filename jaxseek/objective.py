@@ -43,12 +43,15 @@ class LossNorms:
   loss_scale: jax.Array
 
 
-def loss_norms(cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array], n_micro: int) -> LossNorms:
+def loss_norms(cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array], n_micro: int,
+               groups: int = 1) -> LossNorms:
+  """The norms of the whole `batch`, whose gradient `groups` device groups compute on their own rows and sum
+  (sharding/gradsum.py; with compressed gradient sums, one group per data shard)."""
   depth = cfg.model.num_nextn_predict_layers
-  # with compressed gradient sums each data shard differentiates its own rows (the sum over shards comes later)
-  data_shards = jax.tree.leaves(state.grad_residual)[0].shape[0] if jax.tree.leaves(state.grad_residual) else 1
+  if jax.tree.leaves(state.grad_residual):
+    groups = jax.tree.leaves(state.grad_residual)[0].shape[0]
   return LossNorms(token_count(batch["loss_mask"]), [token_count(batch[f"mtp_mask_{k}"]) for k in range(1, depth + 1)],
-                   n_micro * data_shards, state.loss_scale)
+                   n_micro * groups, state.loss_scale)
 
 
 def loss_terms(cfg: config_lib.Config, model: nnx.Module, h_BTD: jax.Array | None, aux: dict, mb: dict,
@@ -80,10 +83,10 @@ def mtp_arrays(cfg: config_lib.Config, mb: dict[str, jax.Array]) -> tuple[list, 
 
 
 def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, batch: dict[str, jax.Array],
-                 n_micro: int) -> Callable:
+                 n_micro: int, groups: int = 1) -> Callable:
   """(params, microbatch) → (objective · loss scale, (ce_sum, mtp_sums, balance, loads)); the token counts that
-  normalise the losses are the whole batch's."""
-  norms = loss_norms(cfg, state, batch, n_micro)
+  normalise the losses are the whole batch's (`groups`: see loss_norms)."""
+  norms = loss_norms(cfg, state, batch, n_micro, groups)
 
   def objective(params, mb):
     model = nnx.merge(trainer.graphdef, params, state.biases)
@@ -95,16 +98,16 @@ def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, ba
 
 
 def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainState, params,
-                        batch: dict[str, jax.Array]):
+                        batch: dict[str, jax.Array], norms: LossNorms):
   """(grads, ce_sum, mtp_sums, balance, loads) of `batch` with a table schedule (sharding/schedules.py: 1F1B,
   interleaved 1F1B, DualPipeV). All of the model runs per microbatch inside it: the embedding and the layers
   before the pipelined stack with its first virtual stage, the stack chunk by chunk, the layers after it, the
-  head and the loss after its last virtual stage."""
+  head and the loss after its last virtual stage. `norms` are the whole batch's (`batch` may be one device
+  group's rows: sharding/gradsum.py)."""
   S, M = pipeline_lib.stages(), cfg.train.microbatches
   name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
   n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
   table = schedules.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
-  norms = loss_norms(cfg, state, batch, M)
   model = nnx.merge(trainer.graphdef, params, state.biases)
   stack = getattr(model, name)
   setattr(model, name, None)  # the rest of the model: what runs outside the stack

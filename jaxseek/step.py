@@ -26,6 +26,7 @@ from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left, target_exists
 from jaxseek.sharding import compression
+from jaxseek.sharding import gradsum
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding import rules
 from jaxseek.sharding.rules import param_spec, shard, state_rules
@@ -220,13 +221,17 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   # With a pipeline the microbatches flow through the stages inside one forward pass instead.
   n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
   batch = step_batch(cfg, batch)
-  grad_fn = jax.value_and_grad(objective.objective_fn(trainer, cfg, state, batch, n_micro), has_aux=True)
+  sizes = dict(jax.sharding.get_abstract_mesh().shape) if rules.has_mesh() else {}
+  summed = gradsum.axes(cfg, sizes)  # batch axes whose gradient sum runs once, after the microbatches
+  groups = gradsum.groups(sizes, summed)
+  grad_fn = jax.value_and_grad(objective.objective_fn(trainer, cfg, state, batch, n_micro, groups), has_aux=True)
   gradients = lambda params, batch: objective.accumulated_gradients(grad_fn, params, batch, n_micro)
   if pipeline_lib.stages() > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B:
-    gradients = lambda params, batch: objective.pipelined_gradients(trainer, cfg, state, params, batch)
+    norms = objective.loss_norms(cfg, state, batch, cfg.train.microbatches, groups)
+    gradients = lambda params, batch: objective.pipelined_gradients(trainer, cfg, state, params, batch, norms)
   residual = state.grad_residual
   if not jax.tree.leaves(residual):
-    grads, ce_sum, mtp_sums, balance, loads = gradients(state.params, batch)
+    grads, ce_sum, mtp_sums, balance, loads = gradsum.once_per_step(gradients, summed)(state.params, batch)
   else:
     grads, ce_sum, mtp_sums, balance, loads, residual = _compressed_sum(gradients, trainer, cfg, state, batch)
   grads = jax.tree.map(lambda g: g / state.loss_scale, grads)

@@ -252,7 +252,7 @@ def run(table: Table, first_fn: Callable, stage_fn: Callable, post_fn: Callable,
   """
   R = table.repeats
 
-  def per_stage(sp, sc, rp, batch_M, side_M):
+  def per_stage(sp, sc, rp, batch_M, side_M, aux_cotangent):
     stage = _Stage(table, first_fn, stage_fn, post_fn, sp, sc, rp, batch_M, side_M, aux_cotangent, per_row)
     carry, _ = jax.lax.scan(stage.tick, stage.init(), jnp.arange(table.ticks))
     _, _, g_sp, g_rp, stats, aux_acc = carry
@@ -261,8 +261,8 @@ def run(table: Table, first_fn: Callable, stage_fn: Callable, post_fn: Callable,
     return rows(g_sp), shared(g_rp), shared(stats), rows(aux_acc)
 
   g_sp, g_rp, stats, aux = jax.shard_map(
-      per_stage, in_specs=(P(AXIS), P(AXIS), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS},
-      check_vma=False)(stage_params, stage_consts, rest_params, batch_M, side_M)
+      per_stage, in_specs=(P(AXIS), P(AXIS), P(), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS},
+      check_vma=False)(stage_params, stage_consts, rest_params, batch_M, side_M, aux_cotangent)
   total = lambda tree: jax.tree.map(lambda a: a.sum(0), tree)
   return g_sp, total(g_rp), total(stats), aux
 

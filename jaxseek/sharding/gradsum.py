@@ -1,0 +1,67 @@
+"""Gradients summed over the batch axes once per step, after the microbatches, not once per microbatch.
+
+Left to itself XLA all-reduces the gradient of every weight replicated over a batch axis inside the microbatch
+loop (a `lax.scan` carry, or the pipeline schedule's ticks): M reductions per step where one is enough. Here
+the whole gradient computation runs in a `shard_map` manual over the axes below: each device group computes
+and accumulates the gradients of its own rows unreduced, and one `psum` after the loop sums them, as PyTorch
+DDP's `no_sync`, Megatron's distributed optimizer and DeepSpeed do at the accumulation boundary.
+
+  data   always (when > 1): no parameter is split there
+  fsdp   with train.zero=1 only (parameters whole on fsdp; the optimiser state's fsdp split takes its slice of
+         the sum). Under ZeRO-3 (train.zero=3) parameters are split on fsdp and gathered per layer, so their
+         gradients are reduce-scattered per microbatch: that is inherent to ZeRO-3 and stays.
+
+Other axes keep XLA's per-microbatch reduction: expert (the MoE dispatch is a shard_map over it), context (ring
+attention is a shard_map over it), tensor (splits weights, not the batch). With train.grad_compression the
+data-axis sum is already once per step (a vmap over the data shards, sharding/compression.py).
+
+The objective's normalisers (token counts, the balance divisor) come from the whole batch, so the sum of the
+groups' gradients is the full batch's gradient exactly (up to float reassociation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxseek import config as config_lib
+
+
+def axes(cfg: config_lib.Config, sizes: dict[str, int]) -> tuple[str, ...]:
+  """The batch axes whose gradient sum runs once per step, in mesh order."""
+  if cfg.train.grad_compression != "none" and sizes.get("data", 1) > 1:
+    return ()  # the compressed exchange sums over data once per step itself, and owns the data axis
+  out = []
+  if sizes.get("data", 1) > 1:
+    out.append("data")
+  if cfg.train.zero == 1 and sizes.get("fsdp", 1) > 1:
+    out.append("fsdp")
+  return tuple(out)
+
+
+def groups(sizes: dict[str, int], summed: tuple[str, ...]) -> int:
+  """Device groups whose gradients are summed: the product of the `summed` axes' sizes."""
+  return math.prod(sizes[a] for a in summed)
+
+
+def once_per_step(gradients: Callable, summed: tuple[str, ...]) -> Callable:
+  """gradients(params, batch) → (grads, ce_sum, mtp_sums, balance, loads), run on each group's rows of `batch`
+  (split on its first axis over `summed`) and summed over the groups once: grads, losses and loads added,
+  the balance term (a mean over rows) averaged."""
+  if not summed:
+    return gradients
+
+  def local(params, batch):
+    grads, ce_sum, mtp_sums, balance, loads = gradients(params, batch)
+    grads, ce_sum, mtp_sums, balance, loads = jax.lax.psum((grads, ce_sum, mtp_sums, balance, loads), summed)
+    n = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in summed)
+    return grads, ce_sum, mtp_sums, balance / n, loads
+
+  def run(params, batch):
+    return jax.shard_map(local, in_specs=(P(), P(summed)), out_specs=P(), axis_names=set(summed),
+                         check_vma=False)(params, batch)
+
+  return run
