@@ -236,7 +236,8 @@ def test_deepseek_v3_on_2048_devices_in_seconds():
   with pytest.raises(UserError, match="mesh.pipeline: 32 stages split neither layer stack"):
     explore.plan(explore.describe(cfg), {**sizes, "pipeline": 32, "tensor": 1, "data": 1}, explore.hardware("h800-80g"))
   assert set(result["communication"]) >= {"pipeline", "expert", "data"}
-  assert result["communication"]["expert"][-1]["collective"] == "all-to-all"
+  # on GPU the dispatch is ragged: the copy counts all-gathered, then the copies themselves
+  assert {c["collective"] for c in result["communication"]["expert"]} >= {"all-gather", "ragged-all-to-all"}
 
 
 def test_communication_of_pure_data_and_fsdp_parallelism():

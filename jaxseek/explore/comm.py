@@ -1,26 +1,38 @@
 """Communication per step: the collectives each mesh axis implies, bytes per device, and time on the links.
 
-Per device and step, with m microbatches, passes = 2 (forward, backward) or 3 (remat recomputes the forward),
-n = the axis size, and ring algorithms (an all-gather or reduce-scatter moves (n−1)/n of the whole, an
-all-reduce twice that):
+Per device and step, with m microbatches, passes = 2 (forward, backward) or 3 (remat recomputes the forward;
+a table schedule recomputes the pipelined stack's forward too), n = the axis size, and ring algorithms (an
+all-gather or reduce-scatter moves (n−1)/n of the whole, an all-reduce twice that):
 
   fsdp      all-gather of every fsdp-split weight, once per pass and microbatch (compute dtype);
             reduce-scatter of their gradients per microbatch (parameter dtype). With train.zero=1 no weight is
             split: their gradients are all-reduced, and the updated weights all-gathered once per step
   data, expert, context, fsdp
-            all-reduce of the gradients of weights replicated on the axis (every batch axis splits the batch)
+            all-reduce of the gradients of weights replicated on the axis (every batch axis splits the batch):
+            once per step on the axes `gradsum.axes` names (the step sums them after the microbatches), else
+            once per microbatch (XLA's reduction inside the loop)
   tensor    all-reduce of x[B, T, D] partial sums: 2 per layer and pass (attention out, MLP / MoE out), plus the
             embedding lookup and the head's input gradient
-  expert    all-to-all of the MoE dispatch buffers [P·C, D]: out and back, per MoE layer and pass
+  expert    per MoE layer and pass (memory.dispatch): fixed, all_to_all of the [P·C, D] buffers out and back;
+            ragged, an all_to_all of the row counts, then ragged_all_to_all of the x·K token copies out (the
+            dispatch dtype; the backward's in the compute dtype) and back (compute dtype). Of the copies 1/P
+            stay on the device, (g − 1)/P go to the g − 1 other shards of its node (NVLink), (P − g)/P cross
+            nodes, with g = the expert shards one node holds (balanced routing)
   context   all-gather of the keys and values per layer and pass (their gradients reduce-scattered)
   pipeline  collective-permute of a microbatch's x[B/M, T, D] to the next stage and of its gradient back, per
-            tick of each pipelined stack (ticks = R·M + S − 1); entering the schedule x[B, T, D] is gathered over
-            the stages and leaving it the last stage's output is shared (an all-reduce), and the reverse for
-            the gradients
+            tick of each pipelined stack (ticks = R·M + S − 1). GPipe and circular: entering the schedule
+            x[B, T, D] is gathered over the stages and leaving it the last stage's output is shared (an
+            all-reduce), and the reverse for the gradients; the gradients of the weights every stage holds are
+            all-reduced once per step. Table schedules (the whole model inside): the outer weights, stored 1/S,
+            all-gathered once per step (parameter dtype) and their float32 gradients reduce-scattered once
 
 An axis's links are intra-node when the devices of one group (the axis and every axis inside it) fit in a node.
 Step time = compute + Σ collectives, assuming no overlap (a pessimistic bound; XLA overlaps some of it), where
 compute = FLOPs / peak, the pipelined stacks' share stretched by the bubble: ticks / (R·M).
+
+Under a table schedule the parts outside the pipelined stack run per microbatch on one stage (the embedding and
+the layers before the stack on the first, the rest on the last; DualPipeV: both on stage 0): their traffic is
+counted for the stage where it is larger.
 """
 
 from __future__ import annotations
@@ -33,6 +45,11 @@ from jaxseek.config import MESH_AXES
 from jaxseek.explore import layout as ex
 from jaxseek.explore import memory as em
 from jaxseek.sharding import compression
+
+try:
+  from jaxseek.sharding import gradsum
+except ImportError:  # the step without sharding/gradsum.py: every batch axis reduced per microbatch
+  gradsum = None
 
 BATCH_AXES = ("data", "fsdp", "expert", "context")
 
@@ -58,138 +75,273 @@ class Hardware:
     return nbytes * 8 / (gbps * 1e9)
 
 
-def communication(model: ex.Model, sizes: dict[str, int], hw: Hardware,
-                  stage: int = 0) -> dict[str, list[dict[str, Any]]]:
+def communication(model: ex.Model, sizes: dict[str, int], hw: Hardware, stage: int = 0,
+                  platform: str = "gpu") -> dict[str, list[dict[str, Any]]]:
   """{mesh axis: [{collective, what, count, bytes_per_device, link, time_s}]} for one step on `stage`."""
   cfg = model.cfg
   micro = cfg.train.microbatches
   passes = 3 if cfg.train.remat == "full" else 2
   stages = ex.stage_layers(cfg, sizes["pipeline"])
-  items: list[tuple[str, str, str, int, float]] = []
+  items: list[tuple] = []
   items += _weights(model, sizes, stage, stages, micro, passes)
-  items += _activations(cfg, sizes, micro, passes)
+  items += _activations(cfg, sizes, hw, micro, passes, platform)
   out: dict[str, list[dict[str, Any]]] = {}
-  for axis, collective, what, count, nbytes in items:
+  for axis, collective, what, count, nbytes, *link in items:
     if sizes[axis] == 1 or nbytes == 0:
       continue
-    link = hw.link(axis, sizes)
+    link = link[0] if link else hw.link(axis, sizes)
     out.setdefault(axis, []).append({"collective": collective, "what": what, "count": count,
                                      "bytes_per_device": int(nbytes), "link": link,
                                      "time_s": hw.seconds(nbytes, link)})
   return out
 
 
+def summed_axes(cfg, sizes: dict[str, int]) -> tuple[str, ...]:
+  """The batch axes whose gradient sum the step runs once per step (sharding/gradsum.py)."""
+  return tuple(gradsum.axes(cfg, sizes)) if gradsum else ()
+
+
 def _weights(model: ex.Model, sizes, stage, stages, micro, passes):
-  """All-gathers of fsdp-split weights and the gradient reductions over the batch axes."""
-  units = _weight_units(model, sizes, stage, stages)
-  scale = {"all-gather": passes * micro, "reduce-scatter": micro, "all-reduce": micro}
-  out = [(axis, kind, what, count * scale[kind], nbytes * scale[kind]) for axis, kind, what, count, nbytes in units]
-  method, d = model.cfg.train.grad_compression, sizes["data"]
-  if method != "none" and d > 1:  # the data-axis gradient sum goes compressed (sharding/compression.py)
-    item = em.ITEMSIZE[model.cfg.train.param_dtype]
-    factor = compression.wire_bytes(1, d, method) / compression.wire_bytes(1, d, "none", item)
-    out = [(axis, "all-gather", f"gradients as {method} (train.grad_compression)", count, nbytes * factor)
-           if axis == "data" and kind == "all-reduce" else (axis, kind, what, count, nbytes)
-           for axis, kind, what, count, nbytes in out]
-  n = sizes["fsdp"]
-  if model.cfg.train.zero == 1 and n > 1:  # the optimiser updates its fsdp shard; the new weights are gathered
-    whole = [(leaf, ex.on_stage(leaf, stage, stages)) for leaf in model.leaves if leaf.kind == "params"]
-    nbytes = sum((n - 1) / n * ex.leaf_bytes(leaf, sizes, count) for leaf, count in whole if count != 0)
-    out.append(("fsdp", "all-gather", "updated parameters (ZeRO-1), once per step", len(whole), nbytes))
-  return out
+  """All-gathers of fsdp-split weights, the gradient reductions over the batch axes and over `pipeline`."""
+  cfg = model.cfg
+  key = ("weights", tuple(sizes[a] for a in MESH_AXES), stage, len(stages), cfg.train.compute_dtype, micro, passes,
+         cfg.train.pipeline_schedule, cfg.train.zero, cfg.train.grad_compression)
+  if key not in model.memo:
+    model.memo[key] = _weight_items(model, sizes, stage, stages, micro, passes)
+  return model.memo[key]
 
 
-def _weight_units(model: ex.Model, sizes, stage, stages):
-  """_weights for one microbatch and one pass (remembered per mesh and stage)."""
-  key = ("weights", tuple(sizes[a] for a in MESH_AXES), stage, len(stages), model.cfg.train.compute_dtype)
-  if key in model.memo:
-    return model.memo[key]
-  c = em.ITEMSIZE[model.cfg.train.compute_dtype]
-  gather = scatter = 0.0
-  reduce = dict.fromkeys(BATCH_AXES, 0.0)
-  split_count = dict.fromkeys(BATCH_AXES, 0)
-  total = 0
-  for leaf in model.leaves:
+def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
+  cfg, S = model.cfg, sizes["pipeline"]
+  c = em.ITEMSIZE[cfg.train.compute_dtype]
+  table = ex.table_schedule(cfg, S)
+  summed = summed_axes(cfg, sizes)
+  compressed = cfg.train.grad_compression != "none" and sizes["data"] > 1
+  once = set(summed) | ({"data"} if compressed else set())
+  whole = {**sizes, "pipeline": 1}
+  # per role (every stage, or the first / last stage of a table schedule): fsdp traffic, per-microbatch sums
+  roles = {r: {"gather": 0.0, "scatter": 0.0, "gather_n": 0, **{a: 0.0 for a in BATCH_AXES},
+               **{f"{a}_n": 0 for a in BATCH_AXES}} for r in ("all", "first", "last")}
+  step = dict.fromkeys(BATCH_AXES, 0.0)  # once-per-step sums
+  step_n = dict.fromkeys(BATCH_AXES, 0)
+  pipe = {"gather": 0.0, "gather_n": 0, "scatter": 0.0, "reduce": 0.0, "reduce_n": 0}
+  for leaf in ex.leaves_on(model, sizes):
     count = ex.on_stage(leaf, stage, stages)
     if leaf.kind != "params" or count == 0:
       continue
-    total += 1
     shard = ex.leaf_bytes(leaf, sizes, count)
-    split = {a for axes in leaf.axes for a in axes}
+    role, runs, used = "all", micro, shard  # a microbatch-loop collective: how often, on what, on which stage
+    if ex.outer(cfg, leaf, S):
+      f, full = (S - 1) / S, ex.leaf_bytes(leaf, whole, count)
+      split = ex.over_stages(leaf)
+      if table:  # inside the schedule per microbatch on the stage that runs it, whole on pipeline
+        role, used = ex.outer_role(cfg, leaf.stack, S), full
+        grad = full // leaf.itemsize * 4  # accumulated in float32 through the schedule
+        pipe["gather"] += f * full if split else 0
+        pipe["scatter"] += f * grad if split else 0
+        pipe["reduce"] += 0 if split else 2 * f * grad
+      else:  # GPipe: outside the schedule, once on the whole batch, data-parallel over the stages
+        runs = 1
+        pipe["gather"] += passes * f * full if split else 0
+        if pipeline_splits_batch(cfg, sizes):
+          pipe["scatter"] += f * full if split else 0
+          pipe["reduce"] += 0 if split else 2 * f * full
+      pipe["gather_n"] += split
+      pipe["reduce_n"] += not split
+    r = roles[role]
+    on = {a for axes in leaf.axes for a in axes}
     for axis in BATCH_AXES:
       n = sizes[axis]
-      if axis == "fsdp" and axis in split:
-        gather += (n - 1) * shard // leaf.itemsize * c
-        scatter += (n - 1) * shard
-      elif axis not in split:
-        reduce[axis] += 2 * (n - 1) / n * shard
-      split_count[axis] += axis in split
-  units = [("fsdp", "all-gather", "weights before use", split_count["fsdp"], gather),
-           ("fsdp", "reduce-scatter", "weight gradients", split_count["fsdp"], scatter)]
-  units += [(axis, "all-reduce", "gradients of weights replicated on the axis", total - split_count[axis],
-             reduce[axis]) for axis in BATCH_AXES]
-  model.memo[key] = units
-  return units
+      if axis == "fsdp" and axis in on:
+        r["gather"] += passes * runs * (n - 1) * used // leaf.itemsize * c
+        r["scatter"] += runs * (n - 1) * used
+        r["gather_n"] += runs
+      elif axis not in on and axis in once:
+        step[axis] += 2 * (n - 1) / n * shard
+        step_n[axis] += 1
+      elif axis not in on:
+        r[axis] += runs * 2 * (n - 1) / n * used
+        r[f"{axis}_n"] += runs
+  side = max(("first", "last"), key=lambda k: roles[k]["gather"] + roles[k]["scatter"] +
+             sum(roles[k][a] for a in BATCH_AXES))
+  pick = lambda k: roles["all"][k] + roles[side][k]
+  out = [("fsdp", "all-gather", "weights before use", pick("gather_n"), pick("gather")),
+         ("fsdp", "reduce-scatter", "weight gradients", pick("gather_n"), pick("scatter"))]
+  for axis in BATCH_AXES:
+    if axis in once:
+      what = "gradients of weights replicated on the axis, once per step (summed after the microbatches)"
+      out.append((axis, "all-reduce", what, step_n[axis], step[axis]))
+    else:
+      what = "gradients of weights replicated on the axis, per microbatch"
+      out.append((axis, "all-reduce", what, pick(f"{axis}_n"), pick(axis)))
+  if compressed:  # the data-axis gradient sum goes compressed (sharding/compression.py), once per step
+    item = em.ITEMSIZE[cfg.train.param_dtype]
+    factor = compression.wire_bytes(1, sizes["data"], cfg.train.grad_compression) / \
+        compression.wire_bytes(1, sizes["data"], "none", item)
+    out = [(axis, "all-gather", f"gradients as {cfg.train.grad_compression} (train.grad_compression), once per step",
+            count, nbytes * factor) if axis == "data" and kind == "all-reduce" else (axis, kind, what, count, nbytes)
+           for axis, kind, what, count, nbytes in out]
+  n = sizes["fsdp"]
+  if cfg.train.zero == 1 and n > 1:  # the optimiser updates its fsdp shard; the new weights are gathered
+    held = [(leaf, ex.on_stage(leaf, stage, stages)) for leaf in ex.leaves_on(model, sizes) if leaf.kind == "params"]
+    nbytes = sum((n - 1) / n * ex.leaf_bytes(leaf, sizes, count) for leaf, count in held if count != 0)
+    out.append(("fsdp", "all-gather", "updated parameters (ZeRO-1), once per step", len(held), nbytes))
+  if table:
+    out += [("pipeline", "all-gather", "weights outside the pipelined stack (stored 1/S), gathered whole when the "
+             "schedule starts, once per step", pipe["gather_n"], pipe["gather"]),
+            ("pipeline", "reduce-scatter", "their float32 gradients, once per step", pipe["gather_n"], pipe["scatter"]),
+            ("pipeline", "all-reduce", "float32 gradients of the other outer weights (held whole), once per step",
+             pipe["reduce_n"], pipe["reduce"])]
+  elif S > 1:
+    out += [("pipeline", "all-gather", "weights outside the pipelined stack (stored 1/S), gathered per pass",
+             passes * pipe["gather_n"], pipe["gather"]),
+            ("pipeline", "reduce-scatter", "their gradients, once per step", pipe["gather_n"], pipe["scatter"]),
+            ("pipeline", "all-reduce", "gradients of the weights every stage holds whole (they run data-parallel "
+             "outside the schedule), once per step", pipe["reduce_n"], pipe["reduce"])]
+  return out
 
 
-def _layer_runs(cfg, sizes, micro):
-  """(layers, runs per step, rows per run, sizes) of every layer group: pipelined stacks run per microbatch on
-  rows not split over `pipeline`; without a pipeline everything runs per microbatch; with one, the rest (other
-  stacks, MTP) runs once on the whole batch."""
+def pipeline_splits_batch(cfg, sizes) -> bool:
+  from jaxseek.sharding import pipeline as pipeline_lib
+
+  return pipeline_lib.splits_batch(cfg, sizes)
+
+
+def _layer_runs(cfg, sizes, micro, passes):
+  """(layers, runs per step, rows per run, sizes, moe, passes, role) of every layer group: pipelined stacks run
+  per microbatch on rows not split over `pipeline`, on every stage; without a pipeline everything runs per
+  microbatch; with GPipe the rest (other stacks, MTP) runs once on the whole batch on every stage; with a table
+  schedule per microbatch on the first or last stage (`layout.outer_role`)."""
   from jaxseek.sharding import pipeline as pipeline_lib
 
   S, B, m = sizes["pipeline"], cfg.train.batch_size, cfg.model
   inner = {**sizes, "pipeline": 1}
+  table = ex.table_schedule(cfg, S)
   groups = []
+  outer = []
   for stack, moe in (("dense_layers", False), ("moe_layers", True)):
     n = m.num_moe_layers if moe else m.num_dense_layers
     if n and ex.pipelined(cfg, stack, S):  # each stage runs its stored rows, identity padding included
+      recompute = 3 if table else passes  # a table schedule recomputes each chunk's forward in its backward
       groups.append((pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) // S, micro, B // micro, inner,
-                     moe))
+                     moe, max(passes, recompute), "all"))
     elif n:
-      groups.append((n, 1 if S > 1 else micro, B if S > 1 else B // micro, sizes, moe))
+      outer.append((n, moe, stack))
   if m.num_nextn_predict_layers:
-    groups.append((m.num_nextn_predict_layers, 1 if S > 1 else micro, B if S > 1 else B // micro, sizes, m.is_moe))
+    outer.append((m.num_nextn_predict_layers, m.is_moe, "mtp_layers"))
+  for n, moe, stack in outer:
+    if table:
+      groups.append((n, micro, B // micro, inner, moe, passes, ex.outer_role(cfg, stack, S)))
+    else:
+      groups.append((n, 1 if S > 1 else micro, B if S > 1 else B // micro, sizes, moe, passes, "all"))
   return groups
 
 
-def _activations(cfg, sizes, micro, passes):
+def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> dict[str, Any] | None:
+  """The MoE dispatch of one step on one device (the stage where it is larger): rows and bytes out and back,
+  the shares of the token copies that stay on the device, go over NVLink or cross nodes (balanced routing),
+  and the ideal: every token copy that leaves the device sent once per pass, out as float8 with its scales and
+  back in bfloat16."""
+  m = cfg.model
+  if not m.is_moe:
+    return None
+  P, K, D, micro = sizes["expert"], m.num_experts_per_tok, m.hidden_size, cfg.train.microbatches
+  passes = 3 if cfg.train.remat == "full" else 2
+  leave = (P - 1) / P
+  side: dict[str, dict[str, float]] = {}
+  first = None
+  for layers, runs, batch, where, moe, group_passes, role in _layer_runs(cfg, sizes, micro, passes):
+    if not moe:
+      continue
+    d = em.dispatch(cfg, where, batch, platform)
+    first = first or d
+    t = side.setdefault(role, dict.fromkeys(("out", "back", "counts", "count_ops", "ops", "ideal", "runs"), 0.0))
+    n = runs * layers
+    forward = group_passes - 1  # forward passes (and recomputations), then one backward
+    t["runs"] += n
+    # forward: rows out (dispatch dtype), results back; backward: their gradients, both in the compute dtype
+    t["out"] += n * d.sent * leave * (forward * d.out_row_bytes + d.back_row_bytes)
+    t["back"] += n * group_passes * d.sent * leave * d.back_row_bytes
+    t["ideal"] += n * group_passes * d.tokens * K * leave * (em.packed_row_bytes(D) + 2 * D)
+    if d.kind == "fixed":
+      t["ops"] += n * group_passes * 2 + n * forward  # rows out and back, and the ids
+    else:
+      t["counts"] += n * forward * (P - 1) * P * d.local_experts * 4  # all_gather of every shard's E counts
+      t["count_ops"] += n * forward
+      t["ops"] += n * group_passes * 2
+  if first is None:
+    return None
+  roles = [r for r in ("first", "last") if r in side]
+  heavier = max(roles, key=lambda r: side[r]["out"] + side[r]["back"]) if roles else None
+  pick = lambda k: side.get("all", {}).get(k, 0.0) + (side[heavier][k] if heavier else 0.0)
+  g = shards_per_node(sizes, hw)
+  nodes = max(1, P // g)
+  limit = m.moe_max_expert_shards
+  reach = min(limit or P, P, K)
+  total = pick("out") + pick("back") + pick("counts")
+  return {"kind": first.kind, "dispatch_dtype": first.dtype, "shards": P, "local_experts": first.local_experts,
+          "tokens_per_run": first.tokens, "rows_sent": first.sent, "rows_received": first.received,
+          "layer_runs": pick("runs"), "collectives": pick("ops"), "count_exchanges": pick("count_ops"),
+          "bytes_out": pick("out"), "bytes_back": pick("back"), "bytes_counts": pick("counts"),
+          "bytes_total": total, "ideal_bytes": pick("ideal"),
+          "vs_ideal": total / pick("ideal") if pick("ideal") else None,
+          "shards_per_node": g, "nodes": nodes,
+          "share_on_device": 1 / P, "share_intra_node": (g - 1) / P, "share_inter_node": (P - g) / P,
+          "max_expert_shards": limit, "shards_per_token_max": reach, "nodes_per_token_max": min(reach, nodes),
+          "inter_node_copies_per_token": K * (P - g) / P,
+          # a dispatch that sent a token once per node it reaches and fanned it out there (DeepSeek's) would
+          # cross nodes at most this often per token; jaxseek sends every copy
+          "inter_node_sends_per_token_one_per_node_max": min(reach, nodes - 1)}
+
+
+def shards_per_node(sizes: dict[str, int], hw: Hardware) -> int:
+  """Expert-axis shards in one node: the axes inside `expert` (context, tensor) fill a node first."""
+  inner = sizes["context"] * sizes["tensor"]
+  return max(1, min(sizes["expert"], hw.devices_per_node // inner))
+
+
+def _activations(cfg, sizes, hw, micro, passes, platform="gpu"):
   """Tensor-parallel partial sums, expert dispatch, context key/value gathers, pipeline sends."""
   from jaxseek.sharding import pipeline as pipeline_lib
 
   m = cfg.model
-  t, p, ctx, S = sizes["tensor"], sizes["expert"], sizes["context"], sizes["pipeline"]
-  tensor_count = tensor_bytes = a2a_count = a2a_bytes = kv_count = kv_bytes = 0.0
+  t, ctx, S = sizes["tensor"], sizes["context"], sizes["pipeline"]
   ring = m.context_attention in ("ring", "zigzag")
-  for layers, runs, batch, where, moe in _layer_runs(cfg, sizes, micro):
+  side = {}
+  for layers, runs, batch, where, moe, group_passes, role in _layer_runs(cfg, sizes, micro, passes):
+    acc = side.setdefault(role, {"tensor_count": 0.0, "tensor_bytes": 0.0, "kv_count": 0.0, "kv_bytes": 0.0})
     x = em.stream(cfg, batch).bytes(where)
-    tensor_count += runs * 2 * passes * layers
-    tensor_bytes += runs * 2 * passes * layers * 2 * (t - 1) / t * x
-    if moe:
-      rows = next(tt for tt in em.dispatch_tensors(cfg, where, batch, "gpu") if tt.name == "dispatch rows")
-      buffer = rows.bytes(where) + rows.dims[0] * 4  # the rows and their local expert ids
-      a2a_count += runs * 2 * passes * layers
-      a2a_bytes += runs * 2 * passes * layers * (p - 1) / p * buffer
+    acc["tensor_count"] += runs * 2 * group_passes * layers
+    acc["tensor_bytes"] += runs * 2 * group_passes * layers * 2 * (t - 1) / t * x
     if ctx > 1:
       kv = em.context_gathered(cfg, batch)
       kv = kv.bytes(where) * kv.copies
       sends = ctx if ring else 1  # a ring passes one chunk per step, a gather collects ctx - 1 chunks at once
-      kv_count += runs * passes * layers * sends
-      kv_bytes += runs * passes * layers * (ctx if ring else ctx - 1) * kv
-  ends = em.stream(cfg, cfg.train.batch_size if S > 1 else cfg.train.batch_size // micro).bytes(sizes)
-  ends_runs = 1 if S > 1 else micro
+      acc["kv_count"] += runs * group_passes * layers * sends
+      acc["kv_bytes"] += runs * group_passes * layers * (ctx if ring else ctx - 1) * kv
+  roles = [r for r in ("first", "last") if r in side]
+  heavier = max(roles, key=lambda r: side[r]["tensor_bytes"] + side[r]["kv_bytes"]) if roles else None
+  pick = lambda k: side.get("all", {}).get(k, 0.0) + (side[heavier][k] if heavier else 0.0)
+  table = ex.table_schedule(cfg, S)
+  if table:  # the embedding lookup and the head's input gradient, per microbatch inside the schedule
+    ends, ends_runs = em.stream(cfg, cfg.train.batch_size // micro).bytes({**sizes, "pipeline": 1}), micro
+  else:
+    ends = em.stream(cfg, cfg.train.batch_size if S > 1 else cfg.train.batch_size // micro).bytes(sizes)
+    ends_runs = 1 if S > 1 else micro
   collective = "reduce-scatter + all-gather" if cfg.mesh.sequence_parallel else "all-reduce"
   items = [("tensor", collective, "x[B,T,D] partial sums (attention out, MLP out; embedding, head)",
-            tensor_count + 2 * ends_runs, tensor_bytes + 2 * ends_runs * 2 * (t - 1) / t * ends)]
-  if m.is_moe and a2a_count:
-    items.append(("expert", "all-to-all", "MoE dispatch buffers [P·C, D], out and back", a2a_count, a2a_bytes))
+            pick("tensor_count") + 2 * ends_runs, pick("tensor_bytes") + 2 * ends_runs * 2 * (t - 1) / t * ends)]
+  exchange = expert_exchange(cfg, sizes, hw, platform)
+  if exchange and sizes["expert"] > 1:
+    items += _expert_items(exchange)
   if ctx > 1:
     what = "MLA latent and rope key [B,T,C+R]" if m.is_mla else "keys and values"
     if ring:
       items.append(("context", "collective-permute", f"{what} chunks round the ring, per layer and step (their "
-                    f"gradients back)", kv_count, kv_bytes))
+                    f"gradients back)", pick("kv_count"), pick("kv_bytes")))
     else:
-      items.append(("context", "all-gather", f"{what} per layer (gradients reduce-scattered)", kv_count, kv_bytes))
+      items.append(("context", "all-gather", f"{what} per layer (gradients reduce-scattered)", pick("kv_count"),
+                    pick("kv_bytes")))
   piped = [n for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers))
            if ex.pipelined(cfg, stack, S)]
   if piped:
@@ -200,8 +352,31 @@ def _activations(cfg, sizes, micro, passes):
                 for n in piped)
     items.append(("pipeline", "collective-permute", "x[B/M,T,D] to the next stage per tick, its gradient back",
                   2 * ticks, 2 * ticks * x_micro))
-    items.append(("pipeline", "all-gather + all-reduce", "x[B,T,D] into each schedule, its output to every stage "
-                  "(and their gradients)", 4 * len(piped), len(piped) * 6 * (S - 1) / S * x_whole))
+    if not table:  # a table schedule runs the whole model inside: nothing enters or leaves it but the batch
+      items.append(("pipeline", "all-gather + all-reduce", "x[B,T,D] into each schedule, its output to every "
+                    "stage (and their gradients)", 4 * len(piped), len(piped) * 6 * (S - 1) / S * x_whole))
+  return items
+
+
+def _expert_items(x: dict[str, Any]) -> list[tuple]:
+  """The expert axis's exchange as rows: its cross-node and its in-node part (each at its link's speed)."""
+  P, g = x["shards"], x["shards_per_node"]
+  moved = x["bytes_out"] + x["bytes_back"]
+  inter, intra = moved * (P - g) / (P - 1), moved * (g - 1) / (P - 1)
+  if x["kind"] == "fixed":
+    kind, what = "all-to-all", "MoE dispatch buffers [P·C, D], out and back"
+  else:
+    kind = "ragged-all-to-all"
+    what = (f"MoE token copies [x·K, D], out ({x['dispatch_dtype']}) and back; received into "
+            f"{x['rows_received']:,} rows")
+  items = []
+  if inter:
+    items.append(("expert", kind, f"{what}: to shards on other nodes", x["collectives"], inter, "inter-node"))
+  if intra:
+    items.append(("expert", kind, f"{what}: to shards on the own node", x["collectives"], intra, "intra-node"))
+  if x["bytes_counts"]:
+    items.append(("expert", "all-gather", "copies per expert before each dispatch [E] int32",
+                  x["count_exchanges"], x["bytes_counts"], "inter-node" if P > g else "intra-node"))
   return items
 
 

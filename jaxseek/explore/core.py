@@ -102,7 +102,7 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
   if sizes["pipeline"] > 1:
     pipeline_lib.check_stacks(cfg, sizes["pipeline"])
   memory = memory_lib.memory(model, sizes, platform)
-  comm = comm_lib.communication(model, sizes, hw, memory["stage"])
+  comm = comm_lib.communication(model, sizes, hw, memory["stage"], platform)
   compute = comm_lib.compute_seconds(model, sizes, hw)
   usable = int(hw.memory_bytes * hw.usable_fraction)
   t = cfg.train
@@ -130,6 +130,8 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       "memory": {"stage": memory["stage"], "stages": memory["stages"], "layers_on_stage": memory["layers_on_stage"],
                  "fits": memory["bytes"]["total"] <= usable, "platform": platform},
       "communication": comm,
+      "expert_dispatch": comm_lib.expert_exchange(cfg, sizes, hw, platform),
+      "gradient_sums_once_per_step": list(comm_lib.summed_axes(cfg, sizes)),
       "compute": compute,
       "step_time_s": comm_lib.step_seconds(compute, comm),
   }

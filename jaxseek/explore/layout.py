@@ -9,9 +9,11 @@ D over the fsdp axis and F over tensor; only axes larger than 1 are shown.
 
 The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack the stage count S divides,
 or with at least 2·S layers, is split into S stages (each holds L/S layers, after identity padding to a multiple
-of S·R when S·R does not divide L); any other stack, the embedding, the head and the multi-token-prediction
-layers are held whole by every stage, where they run data-parallel (the batch is
-split over `pipeline` outside the schedule). Every stage therefore holds the same.
+of S·R when S·R does not divide L). Everything else (another stack, the embedding, the final norm, the head,
+the multi-token-prediction layers: the *outer* weights) is held whole by every stage under GPipe and circular
+schedules, where it runs data-parallel (the batch split over `pipeline` outside the schedule); under a table
+schedule (1F1B, interleaved 1F1B, DualPipeV) it is stored 1/S per stage on one more dimension split over
+`pipeline`, gathered whole once per step when the schedule starts. Every stage therefore stores the same.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxseek.config import MESH_AXES, Config
+from jaxseek.sharding import rules as rules_lib
 from jaxseek.sharding.rules import PARAM_RULES, Rules, spec, state_rules
 
 STACKS = ("embed", "dense_layers", "moe_layers", "final_norm", "head_DV", "mtp_layers")
@@ -163,6 +166,71 @@ def pipelined(cfg: Config, stack: str, pipeline: int) -> bool:
   return pipeline_lib.stack_repeats(n, pipeline, 1) > 0
 
 
+def outer(cfg: Config, leaf: Leaf, pipeline: int) -> bool:
+  """Whether a state leaf lies outside the pipelined stacks (embedding, another stack, final norm, head, MTP)."""
+  return pipeline > 1 and leaf.kind != "other" and not (leaf.stack in LAYER_STACKS and pipelined(cfg, leaf.stack,
+                                                                                                   pipeline))
+
+
+def table_schedule(cfg: Config, pipeline: int) -> bool:
+  """Whether a table schedule (1F1B, interleaved 1F1B, DualPipeV) runs the whole model inside the pipeline."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
+  return pipeline > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
+
+
+def outer_role(cfg: Config, stack: str | None, pipeline: int) -> str:
+  """Which stage runs an outer part under a table schedule: the embedding and the stacks before the pipelined
+  one run with the first virtual stage ("first"), the rest with the last ("last"); DualPipeV's V puts both on
+  stage 0."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
+  if cfg.train.pipeline_schedule == "dualpipev":
+    return "first"
+  piped = pipeline_lib.pipelined_stack(cfg.model, pipeline, cfg.train.pipeline_repeats)
+  before = STACKS[:STACKS.index(piped)]
+  return "first" if stack in before else "last"
+
+
+def over_stages(leaf: Leaf) -> bool:
+  """Whether a leaf placed by `leaves_on` is split over `pipeline` on a dimension other than its layers."""
+  return any("pipeline" in axes for axes, name in zip(leaf.axes, leaf.names) if name != "layers")
+
+
+def leaves_on(model: Model, sizes: dict[str, int]) -> tuple[Leaf, ...]:
+  """The state leaves placed on this mesh as the train step places them: `rules.param_spec` with the mesh and
+  the stored shape (a pipelined stack padded to its stored layers), `pipeline` left off a layer dimension
+  (`on_stage` gives a stage its layers)."""
+  from jaxseek.sharding import pipeline as pipeline_lib
+
+  S = sizes["pipeline"]
+  if S == 1:
+    return model.leaves
+  key = ("leaves", tuple(sizes[a] for a in MESH_AXES))
+  if key not in model.memo:
+    cfg = model.cfg
+    mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+    stored = {stack: pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) if pipelined(cfg, stack, S) else n
+              for stack, n in (("dense_layers", cfg.model.num_dense_layers), ("moe_layers", cfg.model.num_moe_layers))}
+    out = []
+    for leaf in model.leaves:
+      shape = leaf.shape
+      if leaf.stack in LAYER_STACKS and leaf.names and leaf.names[0] == "layers":
+        shape = (stored[leaf.stack], *shape[1:])
+      out.append(dataclasses.replace(leaf, axes=_rules_axes(leaf, shape, mesh, cfg.train.zero)))
+    model.memo[key] = tuple(out)
+  return model.memo[key]
+
+
+def _rules_axes(leaf: Leaf, shape: tuple[int, ...], mesh: AbstractMesh, zero: int) -> tuple[tuple[str, ...], ...]:
+  if leaf.kind == "other" or not any(leaf.names):
+    return leaf.axes
+  entries = tuple(rules_lib.param_spec(leaf.names, shape, mesh, state_rules(leaf.kind, zero)))
+  axes = [_entry_axes(e) for e in entries + (None,) * (len(shape) - len(entries))]
+  return tuple(tuple(a for a in dim if a != "pipeline") if name == "layers" else dim
+               for dim, name in zip(axes, leaf.names))
+
+
 def leaf_bytes(leaf: Leaf, sizes: dict[str, int], layers: int | None = None) -> int:
   """Bytes of one device's shard; `layers` replaces a stacked leaf's layer count (its stage's share)."""
   total = leaf.itemsize
@@ -186,7 +254,7 @@ def stage_state_bytes(model: Model, sizes: dict[str, int], stage: int,
   key = ("state", tuple(sizes[a] for a in MESH_AXES), stage, len(layers))
   if key not in model.memo:
     out = {"params": 0, "biases": 0, "opt_state": 0, "other": 0}
-    for leaf in model.leaves:
+    for leaf in leaves_on(model, sizes):
       count = on_stage(leaf, stage, layers)
       if count != 0:
         out[leaf.kind] += leaf_bytes(leaf, sizes, count)
@@ -212,7 +280,7 @@ def parameter_rows(model: Model, sizes: dict[str, int]) -> list[dict[str, Any]]:
   of pipeline stages its layers are split over (1: every stage holds it whole)."""
   layers = stage_layers(model.cfg, sizes["pipeline"])
   rows = []
-  for leaf in model.leaves:
+  for leaf in leaves_on(model, sizes):
     if leaf.kind not in ("params", "biases"):
       continue
     piped = pipelined(model.cfg, leaf.stack, sizes["pipeline"])
@@ -230,7 +298,7 @@ def optimizer_rows(model: Model, sizes: dict[str, int]) -> list[dict[str, Any]]:
   """Optimiser state grouped by slot (AdamW mu, nu; step counters) and stack, bytes on one stage."""
   layers = stage_layers(model.cfg, sizes["pipeline"])
   groups: dict[tuple[str, str], dict[str, Any]] = {}
-  for leaf in model.leaves:
+  for leaf in leaves_on(model, sizes):
     if leaf.kind != "opt_state":
       continue
     slot = leaf.path.split(".", 1)[0] if leaf.path.split(".", 1)[0] in ("mu", "nu") else "count"

@@ -11,6 +11,13 @@ larger of the two counts. Each layer run counts once:
   activations = Σ_runs kept + saved(one layer) + max(saved(one layer), logits)       (any other policy)
   gradients   = parameters (× 2 with accumulation: the accumulator and one microbatch's gradients)
 
+With S > 1 the weights outside the pipelined stack are stored 1/S per stage where `rules.param_spec` splits them
+over `pipeline` (parameters, gradients, optimiser state) and held whole during the step: gathered in the
+parameter dtype (`gathered_weights`); under a table schedule (1F1B, interleaved 1F1B, DualPipeV) their
+gradients are accumulated whole in float32 through the schedule (`gradients`).
+The MoE dispatch buffers are those of `dispatch` (model.moe_dispatch: fixed P·C-row buffers on CPU, the ragged
+exchange of the x·K token copies into R = ⌈f·x·K⌉ rows on GPU and TPU).
+
 Without a pipeline, accumulation runs one microbatch (B/M rows) at a time: one run per layer. With S stages, a
 pipelined stack's schedule saves every tick (sharding/pipeline.py): ticks × L/(S·R) layer runs per stage on a
 microbatch of B/M rows (not split over `pipeline`), ticks = R·M + S − 1; everything else (unpipelined stacks,
@@ -132,28 +139,97 @@ def mlp_tensors(cfg: Config, batch: int, hidden: int, name: str = "mlp hidden (g
   return [Tensor(name, "h", "mlp", "BTF", (batch, cfg.train.seq_len, hidden), ("batch", "length", "mlp"), c, 5)]
 
 
-def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> list[Tensor]:
-  """One device's MoE buffers inside the shard_map: router scores, the R = P·C dispatch rows (all_to_all
-  buffers, sent and received), the grouped matmul's hidden rows and the expert weights gathered for it."""
-  m, a, c = cfg.model, activation_itemsize(cfg, platform), ITEMSIZE[cfg.train.compute_dtype]
-  P = sizes["expert"]
-  e, mm, D, K = -(-m.n_routed_experts // P), -(-m.moe_intermediate_size // sizes["tensor"]), m.hidden_size, \
-      m.num_experts_per_tok
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+  """One device's expert-axis exchange for one MoE layer run on `tokens` tokens (model/moe.py).
+
+  fixed   all_to_all of a buffer of C rows per (source, destination) pair and of their local expert ids: P·C
+          rows out, P·C back, with C = capacity(...) (dropless: x·min(K, e))
+  ragged  an all_gather of the copy counts per expert (E int32), then ragged_all_to_all of exactly the x·K
+          token copies, received into R = ⌈f·x·K⌉ rows (f = model.moe_recv_factor, at most P·C); the results
+          come back the same way
+  Rows go out in the dispatch dtype (model.moe_dispatch_dtype: float8 e4m3 packs each row as D bytes and a
+  float32 scale per 128 channels) and come back in the compute dtype, as do the backward's gradients.
+  """
+
+  kind: str  # "fixed" or "ragged"
+  shards: int  # P: the expert axis
+  local_experts: int  # e = E / P
+  tokens: int  # x: the device's tokens
+  sent: int  # rows a device sends: P·C (fixed) or x·K (ragged)
+  received: int  # rows of the receive buffer: P·C (fixed) or R (ragged)
+  out_row_bytes: int  # one dispatched row (fixed: with its int32 expert id)
+  back_row_bytes: int  # one returned row, compute dtype
+  dtype: str  # the dispatch dtype
+
+
+RECV_FACTOR = 2.0  # model.moe_recv_factor where the config has none: receive buffer rows / a device's copies
+FP8_TILE = 128  # channels per float32 scale of a float8 row
+
+
+def dispatch_kind(cfg: Config, platform: str) -> str:
+  """model.moe_dispatch resolved: auto is ragged on GPU and TPU, fixed on CPU (no ragged_all_to_all there)."""
+  setting = getattr(cfg.model, "moe_dispatch", "auto")
+  if setting == "auto":
+    return "ragged" if platform in ("gpu", "tpu") else "fixed"
+  return setting
+
+
+def packed_row_bytes(D: int) -> int:
+  """A float8 e4m3 row as sent: D bytes and a float32 scale per 128 channels."""
+  return D + -(-D // FP8_TILE) * 4
+
+
+def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> Dispatch:
+  """The exchange of one MoE layer run on `batch` rows (split over the batch axes and context)."""
+  m, a = cfg.model, activation_itemsize(cfg, platform)
+  P, D, K = sizes["expert"], m.hidden_size, m.num_experts_per_tok
+  e = -(-m.n_routed_experts // P)
   x = -(-batch // batch_shards(sizes)) * -(-cfg.train.seq_len // sizes["context"])
-  R = P * moe_lib.capacity(x, K, P, e, m.moe_capacity_factor)
-  none = (None,)
-  out = [Tensor("router scores", "s", "moe", "XE", (x, m.n_routed_experts), none * 2, 4, 1),
-         Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none * 2, a, 2),
-         Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none * 2, 1, 2),
-         Tensor("expert weights (gathered)", "w", "moe", "eDm", (e, D, mm), none * 3, c, 3)]
+  cap = moe_lib.capacity(x, K, P, e, m.moe_capacity_factor)
+  dtype = getattr(m, "moe_dispatch_dtype", None) or cfg.train.compute_dtype
+  out_row = packed_row_bytes(D) if dtype.startswith("float8") else D * a
+  if dispatch_kind(cfg, platform) == "fixed" or P == 1:
+    return Dispatch("fixed", P, e, x, P * cap, P * cap, out_row + 4, D * a, dtype)
+  factor = getattr(m, "moe_recv_factor", None) or RECV_FACTOR
+  received = max(1, min(P * cap, math.ceil(factor * x * K)))  # moe.receive_rows
+  return Dispatch("ragged", P, e, x, x * K, received, out_row, D * a, dtype)
+
+
+def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> list[Tensor]:
+  """One device's MoE buffers inside the shard_map: router scores, the exchanged rows (fixed: the P·C buffer
+  sent and received, with its masks; ragged: the x·K copies sorted by expert, the R rows received, the expert
+  outputs and the results returned; with a float8 dispatch dtype also the packed rows sent and received), the
+  grouped matmul's hidden rows and the expert weights gathered for it."""
+  m, a, c = cfg.model, activation_itemsize(cfg, platform), ITEMSIZE[cfg.train.compute_dtype]
+  d = dispatch(cfg, sizes, batch, platform)
+  e, mm, D = d.local_experts, -(-m.moe_intermediate_size // sizes["tensor"]), m.hidden_size
+  R, J, none = d.received, d.sent, (None, None)
+  fp8 = d.dtype.startswith("float8")
+  packed = packed_row_bytes(D)
+  out = [Tensor("router scores", "s", "moe", "XE", (d.tokens, m.n_routed_experts), none, 4, 1)]
+  if d.kind == "fixed":
+    out += [Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none, a, 2),
+            Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none, 1, 2)]
+    if fp8 and d.shards > 1:
+      out.append(Tensor("dispatch rows packed as float8 + scales", "rows", "moe", "RD", (R, packed), none, 1, 2))
+  else:
+    out.append(Tensor("token copies sorted by expert", "rows", "moe", "JD", (J, D), none, a, 1))
+    if fp8:
+      out += [Tensor("copies packed as float8 + scales", "rows", "moe", "JD", (J, packed), none, 1, 1),
+              Tensor("rows received (float8 + scales)", "rows", "moe", "RD", (R, packed), none, 1, 1)]
+    out += [Tensor("rows received" + (", dequantised" if fp8 else ""), "rows", "moe", "RD", (R, D), none, a, 1),
+            Tensor("expert outputs", "y", "moe", "RD", (R, D), none, a, 1),
+            Tensor("results returned", "y", "moe", "JD", (J, D), none, a, 1)]
+  out.append(Tensor("expert weights (gathered)", "w", "moe", "eDm", (e, D, mm), (None,) * 3, c, 3))
   if kernels.matmul_kind(m.moe_matmul, platform, cfg.train.compute_dtype, tokamax=True) == "blocked":
     # moe.ffn_blocked: rows padded per expert to blocks of n, visited one block at a time
     n = 2 ** int(math.log2(min(max(R // (4 * e), 8), 256)))
     blocks = -(-(R + e * (n - 1)) // n)
-    out += [Tensor("blocked rows in and out", "rows", "moe", "RD", (blocks * n, D), none * 2, a, 2),
-            Tensor("expert hidden (one block)", "h", "moe", "Rm", (n, mm), none * 2, a, 6)]
+    out += [Tensor("blocked rows in and out", "rows", "moe", "RD", (blocks * n, D), none, a, 2),
+            Tensor("expert hidden (one block)", "h", "moe", "Rm", (n, mm), none, a, 6)]
   else:
-    out.append(Tensor("expert hidden", "h", "moe", "Rm", (R, mm), none * 2, a, 6))
+    out.append(Tensor("expert hidden", "h", "moe", "Rm", (R, mm), none, a, 6))
   return out
 
 
@@ -262,6 +338,10 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   if cfg.train.grad_compression != "none" and sizes["data"] > 1:  # the error-feedback residual, float32
     out["gradients"] += state["params"] * 4 // ITEMSIZE[cfg.train.param_dtype]
   out["gathered_weights"] = gathered_weights(model, sizes)
+  if S > 1:  # the weights outside the pipelined stack, whole during the step, and their whole gradients
+    gathered, whole_gradients = outer_whole(model, sizes)
+    out["gathered_weights"] += gathered
+    out["gradients"] += whole_gradients
   out["total"] = sum(out[k] for k in KINDS)
   if cfg.train.optimizer_memory == "host":
     # the state lives in pinned host memory and visits the device for the update, after the backward pass has
@@ -290,6 +370,11 @@ def _activations(cfg: Config, runs: list[tuple], head: int, platform: str) -> di
           "moe_dispatch": 2 * biggest[2]}
 
 
+RAGGED_BUFFERS = ("token copies sorted by expert", "copies packed as float8 + scales", "rows received (float8 + scales)",
+                  "rows received", "rows received, dequantised", "expert outputs", "results returned",
+                  "dispatch rows packed as float8 + scales")
+
+
 def kept_copies(t: Tensor, policy: str) -> int:
   """Copies of `t` a layer keeps under a remat policy other than none (model/remat.py): the input x always
   (the scan carries it); minimal also the attention output and MLA latents; save_dots every projection output
@@ -301,10 +386,36 @@ def kept_copies(t: Tensor, policy: str) -> int:
     return 1 if t.name in ("q latent", "kv latent", "attention out", "q, attention out") else 0
   if policy == "save_dots":
     if t.name in ("scores, probabilities", "dispatch rows", "dispatch masks", "expert weights (gathered)",
-                  "blocked rows in and out", "norm outputs (projection inputs)"):
+                  "blocked rows in and out", "norm outputs (projection inputs)") or t.name in RAGGED_BUFFERS:
       return 0
     return min(t.copies, 2)  # projections: gate and up (MLP), q/k/v, latents; not their elementwise products
   return 0
+
+
+def outer_whole(model: ex.Model, sizes: dict[str, int]) -> tuple[int, int]:
+  """The weights outside the pipelined stack held whole on a stage for the step: those split over `pipeline`
+  (`rules.param_spec`) gathered in the parameter dtype; and their whole gradients: under a table schedule
+  every outer weight's, accumulated in float32 through the schedule (summed over the stages after it), under
+  GPipe those of the split ones before their reduce-scatter (parameter dtype). Returns (gathered bytes,
+  gradient bytes); with fsdp > 1 the embedding and head are left to `gathered_weights`, which counts them."""
+  cfg, S = model.cfg, sizes["pipeline"]
+  table = ex.table_schedule(cfg, S)
+  whole = {**sizes, "pipeline": 1}
+  stages = ex.stage_layers(cfg, S)
+  gathered = gradients = 0
+  for leaf in ex.leaves_on(model, sizes):
+    if leaf.kind not in ("params", "biases") or not ex.outer(cfg, leaf, S):
+      continue
+    if sizes["fsdp"] > 1 and leaf.stack in ("embed", "head_DV"):
+      continue
+    nbytes = ex.leaf_bytes(leaf, whole, ex.on_stage(leaf, 0, stages))
+    split = ex.over_stages(leaf)
+    gathered += nbytes if split else 0
+    if leaf.kind == "params" and table:
+      gradients += nbytes // leaf.itemsize * 4
+    elif leaf.kind == "params" and split:
+      gradients += nbytes
+  return gathered, gradients
 
 
 def gathered_weights(model: ex.Model, sizes: dict[str, int]) -> int:
