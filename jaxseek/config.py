@@ -65,6 +65,21 @@ class ModelConfig:
   # grouped GEMM kernels, forward and backward; GPU only, 16-bit inputs); "auto" picks tokamax on GPU (blocked
   # for float32 compute or without tokamax), blocked on CPU, ragged_dot on TPU.
   moe_matmul: Literal["auto", "blocked", "ragged_dot", "tokamax", "tokamax_triton"] = "auto"
+  # Expert-parallel dispatch (model/moe.py, docs/moe.md): "fixed" sends C rows to every expert shard with
+  # all_to_all (padded: any backend); "ragged" exchanges the copy counts first, then sends exactly the routed
+  # copies with ragged_all_to_all into one receive buffer per device, grouped by local expert (GPU, TPU: XLA:CPU
+  # has no ragged-all-to-all); "auto" is ragged on GPU and TPU, fixed elsewhere.
+  moe_dispatch: Literal["auto", "fixed", "ragged"] = "auto"
+  # The ragged receive buffer, R = ⌈moe_recv_factor · K·x⌉ rows for x local tokens (K·x = a shard's balanced
+  # load); copies past R are dropped and counted (moe_dropped_fraction). Dropless by construction from
+  # f = min(P, E/K) on (P expert shards; the worst case is every source sending min(K, e) copies of each token to
+  # one shard). Default 2.0: dropless on up to 2 expert shards (any E, K); on more, a shard may receive twice its
+  # balanced share before anything drops, in 2 / min(P, E/K) of the worst-case buffer (bench-v3-1b on expert=8:
+  # 8192 rows instead of 32,768).
+  moe_recv_factor: float = 2.0
+  # The dispatched rows' dtype: null = the compute dtype; float8_e4m3fn sends each row as e4m3 with a float32
+  # scale per 128 channels (dequantised on arrival); the results come back in the compute dtype.
+  moe_dispatch_dtype: Literal["float8_e4m3fn"] | None = None
   # Attention (jaxseek's own key): "dense" (the reference: scores [T, S] in memory), "blocked" (online softmax
   # over key blocks, fully masked causal blocks skipped, memory linear in the length: any backend), or a tokamax
   # GPU kernel: "mosaic" (Mosaic GPU flash attention, Hopper and later, 16-bit inputs), "triton", "cudnn".
@@ -494,6 +509,9 @@ def validate(cfg: Config, model_only: bool = False) -> None:
                     f"dropless dispatch")
   if m.moe_max_expert_shards is not None and m.moe_max_expert_shards < 1:
     raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} must be ≥ 1, or null")
+  if m.moe_recv_factor <= 0:
+    raise UserError(f"config key model.moe_recv_factor: {m.moe_recv_factor} must be > 0 (receive rows as a multiple "
+                    f"of K × local tokens; min(mesh.expert, n_routed_experts / num_experts_per_tok) is dropless)")
   profile = cfg.metrics.profile_steps
   if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
     raise UserError(f"config key metrics.profile_steps: {list(profile)} must be [first, last] with "

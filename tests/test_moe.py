@@ -15,7 +15,10 @@ from jax.sharding import NamedSharding
 from conftest import load_config
 from jaxseek import step as step_lib
 from jaxseek.input import global_batches
-from jaxseek.model.moe import MoE, Routing, route
+from jaxseek.errors import UserError
+from jaxseek.model import kernels
+from jaxseek.model.moe import (MoE, Routing, capacity, dispatch, experts_parallel, experts_parallel_ragged, kept_sorted,
+                               ragged_plan, receive_rows, route, send_order)
 from jaxseek.sharding.mesh import make_mesh
 from jaxseek.sharding.rules import activation_spec
 
@@ -245,3 +248,245 @@ def test_grouped_matmuls_agree_with_reference_and_each_other_in_gradients():
   for a, b in zip(grads_blocked, grads_ragged):
     assert a.ndim < 2 or float(np.abs(np.asarray(a)).max()) > 0  # the router bias has none: it is not trained
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------- exact-size (ragged) dispatch, FP8 dispatch
+
+SHARDS, X, D, M, E, K = 4, 12, 24, 16, 8, 2  # per shard: X tokens; e = E / SHARDS = 2 local experts
+EXPERT_AXES = ("expert",)
+
+
+def skewed_routing(seed: int = 11, d: int = D) -> tuple[np.ndarray, ...]:
+  """Tokens [P·X, d], K distinct experts per token drawn with expert 0 hot, gate weights, expert weights."""
+  rng = np.random.default_rng(seed)
+  p_E = np.array([6.0] + [1.0] * (E - 1))
+  idx = np.stack([rng.choice(E, K, replace=False, p=p_E / p_E.sum()) for _ in range(SHARDS * X)]).astype(np.int32)
+  x = rng.normal(size=(SHARDS * X, d)).astype(np.float32)
+  weights = rng.uniform(0.2, 1.0, size=(SHARDS * X, K)).astype(np.float32)
+  w_gate, w_up = (rng.normal(size=(E, d, M)).astype(np.float32) / np.sqrt(d) for _ in range(2))
+  w_down = rng.normal(size=(E, M, d)).astype(np.float32) / np.sqrt(M)
+  return x, idx, weights, w_gate, w_up, w_down
+
+
+def numpy_swiglu(x_ND: np.ndarray, expert_N: np.ndarray, w_gate, w_up, w_down) -> np.ndarray:
+  """SwiGLU of each row with its own expert's weights (float64)."""
+  wg, wu, wd = (np.asarray(w, np.float64) for w in (w_gate, w_up, w_down))
+  h = np.asarray(x_ND, np.float64)
+  gate = np.einsum("ND,NDM->NM", h, wg[expert_N])
+  return np.einsum("NM,NMD->ND", gate / (1 + np.exp(-gate)) * np.einsum("ND,NDM->NM", h, wu[expert_N]), wd[expert_N])
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+  """jax.lax.ragged_all_to_all's semantics from all_gathers and one scatter (XLA:CPU has no ragged-all-to-all):
+  row n of source s's slice i lands at output_offsets[i] + n − input_offsets[i] on device i // (slices / P)."""
+  del recv_sizes  # what the receivers expect; the NumPy model checks that it matches what is sent
+  N, R = operand.shape[0], output.shape[0]
+  every_PN = jax.lax.all_gather(operand, axis_name)
+  lo_PS, size_PS, at_PS = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+  per = lo_PS.shape[1] // lo_PS.shape[0]
+  mine = lambda a: jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(axis_name) * per, per, axis=1)[:, None, :]
+  lo, size, at = mine(lo_PS), mine(size_PS), mine(at_PS)
+  n = jnp.arange(N)[None, :, None]
+  inside_PNj = (n >= lo) & (n < lo + size)
+  target_PN = jnp.where(inside_PNj.any(-1), jnp.where(inside_PNj, at + n - lo, 0).sum(-1), R)
+  return output.at[target_PN.reshape(-1)].set(every_PN.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def numpy_ragged_all_to_all(operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes):
+  """jax.lax.ragged_all_to_all as its documentation states it, over lists of every device's arguments."""
+  P, S = len(operands), len(input_offsets[0])
+  per = S // P
+  results = [np.array(o, copy=True) for o in outputs]
+  for src in range(P):
+    for i in range(S):
+      dst, n, lo, at = i // per, send_sizes[src][i], input_offsets[src][i], output_offsets[src][i]
+      assert recv_sizes[dst][src * per + i % per] == n  # send_sizes == all_to_all(recv_sizes)
+      assert 0 <= at and at + n <= len(results[dst]) and lo + n <= len(operands[src])
+      results[dst][at:at + n] = operands[src][lo:lo + n]
+  return results
+
+
+def on_expert_mesh(fn, x, idx, weights, w_gate, w_up, w_down, cotangent=None):
+  """fn(x, idx, weights, w_gate, w_up, w_down) inside shard_map over SHARDS devices (tokens and experts split):
+  (y [P·X, D], kept [K, P·X]), or with `cotangent` the gradients of Σ y · cotangent for x, weights and experts."""
+  mesh = jax.make_mesh((SHARDS,), EXPERT_AXES, axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:SHARDS])
+  split = jax.P("expert")
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=(split,) * 6, out_specs=(split, jax.P(None, "expert")))
+  args = (x, idx, weights, w_gate, w_up, w_down)
+  if cotangent is None:
+    return jax.device_get(jax.jit(mapped)(*args))
+  loss = lambda x, w, *ws: (mapped(x, idx, w, *ws)[0] * cotangent).sum()
+  return jax.device_get(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, w_gate, w_up, w_down))
+
+
+def fixed_fn(fp8_dispatch=False):
+  cap = capacity(X, K, SHARDS, E // SHARDS, None)
+  return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, "blocked", fp8_dispatch)
+
+
+def ragged_fn(factor, fp8_dispatch=False):
+  cap = capacity(X, K, SHARDS, E // SHARDS, None)
+  rows = receive_rows(X, K, SHARDS, cap, factor)
+  return lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, "blocked", fp8_dispatch,
+                                            exchange=emulated_ragged_all_to_all)
+
+
+def numpy_ragged_layer(x, idx, weights, w_gate, w_up, w_down, rows):
+  """Every shard's plan (send_order, ragged_plan) run through the NumPy ragged_all_to_all, the experts in NumPy on
+  each receive buffer as grouped: (y [P·X, D], kept [K, P·X], the global expert of every received row)."""
+  e = E // SHARDS
+  cap = capacity(X, K, SHARDS, e, None)
+  shard = lambda a, s: a[s * X:(s + 1) * X]
+  sends = [jax.device_get(jax.jit(send_order, static_argnums=(1, 2, 3))(shard(idx, s), SHARDS, e, cap))
+           for s in range(SHARDS)]
+  count_PE = np.stack([count for _, _, count in sends])
+  plans = [jax.device_get(jax.jit(ragged_plan, static_argnums=2)(count_PE, s, rows)) for s in range(SHARDS)]
+  for q in range(SHARDS):  # each receiver's view agrees with what its sources send
+    for s in range(SHARDS):
+      for l in range(e):
+        assert plans[q].recv_offsets_E[s * e + l] == plans[s].out_offsets_E[q * e + l]
+        assert plans[q].back_offsets_E[s * e + l] == plans[s].send_offsets_E[q * e + l]
+  zeros = lambda n, *rest: [np.zeros((n, *rest), np.float64)] * SHARDS
+  fwd = lambda ops, outs: numpy_ragged_all_to_all(ops, outs, *([p[i] for p in plans] for i in range(4)))
+  back = lambda ops, outs: numpy_ragged_all_to_all(ops, outs, *([getattr(p, f) for p in plans] for f in (
+      "recv_offsets_E", "recv_sizes_E", "back_offsets_E", "send_sizes_E")))
+  received = fwd([shard(x, s)[order % X] for s, (order, _, _) in enumerate(sends)], zeros(rows, D))
+  experts = fwd([key[:, None].astype(np.float64) for _, key, _ in sends], [np.full((rows, 1), -1.0)] * SHARDS)
+  results = []
+  for q in range(SHARDS):
+    expert_R = np.repeat(q * e + np.arange(e), plans[q].group_sizes_e)
+    used = len(expert_R)
+    np.testing.assert_array_equal(experts[q][:used, 0], expert_R)  # expert-major, exactly the group sizes
+    assert (experts[q][used:] == -1).all()
+    results.append(np.zeros((rows, D)))
+    results[q][:used] = numpy_swiglu(received[q][:used], expert_R, w_gate, w_up, w_down)
+  returned = back(results, zeros(K * X, D))
+  y, kept = [], []
+  for s, (order, key, _) in enumerate(sends):
+    position = np.argsort(order)
+    y.append(np.einsum("KXD,XK->XD", returned[s][position].reshape(K, X, D), shard(weights, s)))
+    kept.append(np.asarray(kept_sorted(jnp.asarray(key), plans[s]))[position].reshape(K, X))
+  return np.concatenate(y), np.concatenate(kept, axis=1)
+
+
+def expected_receiver_drops(idx: np.ndarray, rows: int) -> np.ndarray:
+  """The documented rule [P·X, K]: each receiver fills R rows expert-major (local expert, then source, then the
+  source's copies k-major); copies past R are dropped."""
+  e = E // SHARDS
+  dropped = np.zeros(idx.shape, bool)
+  for q in range(SHARDS):
+    used = 0
+    for g in range(q * e, (q + 1) * e):
+      for s in range(SHARDS):
+        for k in range(K):
+          for t in range(s * X, (s + 1) * X):
+            if idx[t, k] == g:
+              dropped[t, k] = used >= rows
+              used += 1
+  return dropped
+
+
+@pytest.mark.parametrize("factor", [4.0, 0.75])
+def test_ragged_plan_in_numpy_reproduces_fixed_dispatch_and_drops_past_r(factor):
+  """Fed to a NumPy ragged_all_to_all, the plan fills expert-major receive buffers; dropless (f = min(P, E/K) = 4)
+  every row equals the fixed-slot path's, and with f = 0.75 exactly the copies past R drop."""
+  x, idx, weights, *w = skewed_routing()
+  rows = receive_rows(X, K, SHARDS, capacity(X, K, SHARDS, E // SHARDS, None), factor)
+  y, kept = numpy_ragged_layer(x, idx, weights, *w, rows)
+  dropped = expected_receiver_drops(idx, rows)
+  np.testing.assert_array_equal(~kept.T, dropped)
+  if factor >= 4:
+    assert not dropped.any()
+    y_fixed, kept_fixed = on_expert_mesh(fixed_fn(), x, idx, weights, *w)
+    assert kept_fixed.all()
+    np.testing.assert_allclose(y, y_fixed, rtol=1e-5, atol=1e-6)
+  else:
+    assert dropped.sum() > 0
+  y_ref = sum(np.where(dropped[:, k, None], 0, weights[:, k, None]) * numpy_swiglu(x, idx[:, k], *w)
+              for k in range(K))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_ragged_dispatch_equals_fixed_in_values_and_gradients():
+  """experts_parallel_ragged on 4 CPU devices with the exchange emulated, dropless: the fixed path's output, kept
+  copies and gradients (tokens, gate weights, every expert weight)."""
+  x, idx, weights, *w = skewed_routing()
+  y_fixed, kept_fixed = on_expert_mesh(fixed_fn(), x, idx, weights, *w)
+  y, kept = on_expert_mesh(ragged_fn(4.0), x, idx, weights, *w)
+  np.testing.assert_array_equal(kept, kept_fixed)
+  np.testing.assert_allclose(y, y_fixed, rtol=1e-6, atol=1e-7)
+  cotangent = np.random.default_rng(2).normal(size=y.shape).astype(np.float32)
+  for a, b in zip(on_expert_mesh(ragged_fn(4.0), x, idx, weights, *w, cotangent=cotangent),
+                  on_expert_mesh(fixed_fn(), x, idx, weights, *w, cotangent=cotangent)):
+    assert np.abs(b).max() > 0
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ragged_dispatch_with_a_small_receive_buffer_drops_what_it_reports():
+  x, idx, weights, *w = skewed_routing()
+  rows = receive_rows(X, K, SHARDS, capacity(X, K, SHARDS, E // SHARDS, None), 0.75)
+  y, kept = on_expert_mesh(ragged_fn(0.75), x, idx, weights, *w)
+  dropped = expected_receiver_drops(idx, rows)
+  assert dropped.sum() > 0
+  np.testing.assert_array_equal(~kept.T, dropped)
+  y_ref = sum(np.where(dropped[:, k, None], 0, weights[:, k, None]) * numpy_swiglu(x, idx[:, k], *w)
+              for k in range(K))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+
+
+def numpy_e4m3_tiles(x: np.ndarray) -> np.ndarray:
+  """x [N, D] rounded to e4m3 per 1×128 tile, scale = amax · (1/448) (float32 arithmetic)."""
+  import ml_dtypes
+
+  N, D = x.shape
+  tiles = np.pad(x.astype(np.float32), ((0, 0), (0, -D % 128))).reshape(N, -1, 128)
+  amax = np.abs(tiles).max(-1, keepdims=True)
+  scale = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
+  return ((tiles / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).reshape(N, -1)[:, :D]
+
+
+def test_fp8_dispatch_sends_the_numpy_rounded_rows():
+  """Through an all_to_all, FP8 dispatch delivers exactly the NumPy quantise-dequantise of the rows (D = 160: a
+  full and a partial 128-channel tile; a row of zeros), within e4m3's rounding bound of the rows themselves."""
+  x = skewed_routing(d=160)[0]
+  x[3] = 0
+  x_rounded = numpy_e4m3_tiles(x)
+  scale = np.repeat(np.abs(np.pad(x, ((0, 0), (0, 96)))).reshape(len(x), -1, 128).max(-1) / 448, 128, 1)[:, :160]
+  assert (np.abs(x_rounded - x) <= np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * scale)).all()
+  assert (x_rounded != x).mean() > 0.9
+  mesh = jax.make_mesh((SHARDS,), EXPERT_AXES, axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:SHARDS])
+  a2a = lambda a, plan: jax.lax.all_to_all(a.reshape(SHARDS, -1, *a.shape[1:]), EXPERT_AXES, 0, 0).reshape(a.shape)
+  run = lambda fp8, rows: jax.device_get(jax.jit(jax.shard_map(
+      lambda a: dispatch(a2a, a2a, a, (), fp8), mesh=mesh, in_specs=jax.P("expert"), out_specs=jax.P("expert")))(
+          rows))
+  np.testing.assert_array_equal(run(True, x), run(False, x_rounded))
+
+
+@pytest.mark.parametrize("path", ["fixed", "ragged"])
+def test_fp8_dispatch_computes_on_rounded_tokens_and_passes_gradients_straight_through(path):
+  """moe_dispatch_dtype=float8_e4m3fn: the output is the unrounded dispatch's at the rounded tokens, and so is
+  the gradient (the dispatch's backward ignores the rounding)."""
+  x, idx, weights, *w = skewed_routing(d=160)
+  x_rounded = numpy_e4m3_tiles(x)
+  make = (lambda fp8: fixed_fn(fp8)) if path == "fixed" else (lambda fp8: ragged_fn(4.0, fp8))
+  y_fp8, _ = on_expert_mesh(make(True), x, idx, weights, *w)
+  y_ref, _ = on_expert_mesh(make(False), x_rounded, idx, weights, *w)
+  y_plain, _ = on_expert_mesh(make(False), x, idx, weights, *w)
+  np.testing.assert_allclose(y_fp8, y_ref, rtol=1e-5, atol=1e-5)
+  assert 1e-3 < np.abs(y_fp8 - y_plain).max() <= 0.1 * np.abs(y_plain).max()
+  cotangent = np.random.default_rng(2).normal(size=y_fp8.shape).astype(np.float32)
+  for a, b in zip(on_expert_mesh(make(True), x, idx, weights, *w, cotangent=cotangent),
+                  on_expert_mesh(make(False), x_rounded, idx, weights, *w, cotangent=cotangent)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_kind_is_ragged_on_accelerators_and_refused_on_cpu():
+  assert [kernels.dispatch_kind("auto", where) for where in ("gpu", "tpu", "cpu")] == ["ragged", "ragged", "fixed"]
+  assert kernels.dispatch_kind("fixed", "gpu") == "fixed"
+  with pytest.raises(UserError, match="model.moe_dispatch: ragged needs ragged-all-to-all.*cpu; use auto or fixed"):
+    kernels.dispatch_kind("ragged", "cpu")
+  with pytest.raises(UserError, match="model.moe_dispatch: ragged"):
+    moe_layer("model.moe_dispatch=ragged")

@@ -32,18 +32,38 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def _scale(amax: jax.Array) -> jax.Array:
+  """amax · (1/448) (the product XLA also makes of amax / 448, spelled out so references can match it bit for bit)."""
+  return jnp.where(amax > 0, amax * (1.0 / E4M3_MAX), 1.0)
+
+
 def _round(x32: jax.Array, amax: jax.Array) -> jax.Array:
-  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  scale = _scale(amax)
   return (x32 / scale).astype(E4M3).astype(jnp.float32) * scale
 
 
 def quantize_tiles(x: jax.Array, tile: int = TILE) -> jax.Array:
   """x rounded to e4m3 with one scale per 1×`tile` tile of its last axis (returned in x's dtype)."""
+  return from_e4m3_tiles(*to_e4m3_tiles(x, tile), x.dtype, tile)
+
+
+def to_e4m3_tiles(x: jax.Array, tile: int = TILE) -> tuple[jax.Array, jax.Array]:
+  """x [..., n] as e4m3 values [..., n] and float32 scales [..., ⌈n/tile⌉], one per 1×`tile` tile (amax / 448)."""
   n = x.shape[-1]
   x32 = _pad_to(x.astype(jnp.float32), -1, tile)
   tiles = x32.reshape(*x32.shape[:-1], -1, tile)
-  amax = jnp.abs(tiles).max(-1, keepdims=True)
-  return _round(tiles, amax).reshape(x32.shape)[..., :n].astype(x.dtype)
+  amax = jnp.abs(tiles).max(-1)
+  scale = _scale(amax)
+  q = (tiles / scale[..., None]).astype(E4M3).reshape(x32.shape)[..., :n]
+  return q, scale
+
+
+def from_e4m3_tiles(q: jax.Array, scale: jax.Array, dtype, tile: int = TILE) -> jax.Array:
+  """The values `to_e4m3_tiles` encoded, in `dtype`."""
+  n = q.shape[-1]
+  q32 = _pad_to(q.astype(jnp.float32), -1, tile)
+  tiles = q32.reshape(*q32.shape[:-1], -1, tile) * scale[..., None]
+  return tiles.reshape(q32.shape)[..., :n].astype(dtype)
 
 
 def quantize_blocks(w: jax.Array, tile: int = TILE) -> jax.Array:

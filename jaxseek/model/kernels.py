@@ -8,6 +8,9 @@ deviceless compile for a GPU target on a CPU machine picks the GPU kernels.
                         dense | blocked | mosaic | triton | cudnn (the last three: tokamax, GPU only)
   model.moe_matmul      auto: tokamax's grouped GEMM on GPU (bf16/f16), else blocked; ragged_dot on TPU
                         blocked | ragged_dot | tokamax | tokamax_triton
+  model.moe_dispatch    auto: ragged (exact-size ragged_all_to_all) on GPU and TPU, fixed (padded all_to_all)
+                        elsewhere: XLA:CPU has no ragged-all-to-all
+                        fixed | ragged
 """
 
 from __future__ import annotations
@@ -69,6 +72,43 @@ def matmul_kind(setting: str, where: str | None = None, dtype=jnp.bfloat16, toka
     raise UserError(f"config key model.moe_matmul: {setting} takes bfloat16 or float16 inputs; set "
                     f"train.compute_dtype=bfloat16, or use auto or blocked")
   return setting
+
+
+def dispatch_kind(setting: str, where: str | None = None) -> str:
+  """model.moe_dispatch resolved for platform `where` (default: the mesh's): auto is ragged on GPU and TPU, fixed
+  elsewhere."""
+  where = where or platform()
+  if setting == "auto":
+    return "ragged" if where in ("gpu", "tpu") else "fixed"
+  if setting == "ragged" and where not in ("gpu", "tpu"):
+    raise UserError(f"config key model.moe_dispatch: ragged needs ragged-all-to-all, which XLA does not implement "
+                    f"on {where}; use auto or fixed")
+  return setting
+
+
+def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None) -> str:
+  """One line for the start-up summary (cfg: the run's Config, sizes: the mesh's axis sizes): how routed tokens
+  reach the expert shards and the rows one MoE layer sends per device (x local tokens per microbatch)."""
+  from jaxseek.model import moe  # moe imports this module
+
+  m, t = cfg.model, cfg.train
+  if not m.is_moe:
+    return "MoE dispatch: none (dense model)"
+  P, K = sizes.get("expert", 1), m.num_experts_per_tok
+  if P == 1:
+    return f"MoE dispatch: none (mesh.expert=1: all {m.n_routed_experts} experts on every device)"
+  x = (t.batch_size // t.microbatches // (sizes.get("data", 1) * sizes.get("fsdp", 1) * P)
+       * t.seq_len // sizes.get("context", 1))
+  cap = moe.capacity(x, K, P, m.n_routed_experts // P, m.moe_capacity_factor)
+  rows = f"{m.moe_dispatch_dtype} rows with float32 scales per 128 channels" if m.moe_dispatch_dtype else \
+      f"{t.compute_dtype} rows"
+  if dispatch_kind(m.moe_dispatch, where) == "fixed":
+    return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
+            f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
+  recv = moe.receive_rows(x, K, P, cap, m.moe_recv_factor)
+  return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
+          f"into a receive buffer of {recv} rows (model.moe_recv_factor={m.moe_recv_factor:g}, dropless from "
+          f"{min(P, m.n_routed_experts / K):g}); {rows}, results back in {t.compute_dtype}")
 
 
 def _has_tokamax() -> bool:

@@ -28,7 +28,9 @@ loads summed over the whole global batch (train.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -266,7 +268,8 @@ def send_slots(dest_J: jax.Array, shards: int, cap: int) -> jax.Array:
 
 
 def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
-                     shards: int, cap: int, matmul: str = "auto") -> tuple[jax.Array, jax.Array]:
+                     shards: int, cap: int, matmul: str = "auto", fp8_dispatch: bool = False
+                     ) -> tuple[jax.Array, jax.Array]:
   """Expert-parallel computation with fixed buffers: all_to_all out, grouped matmuls, all_to_all back.
 
   Returns the (partial, if m < M) output [X, D] and which copies were kept [K, X] (k-major, as buffered).
@@ -281,21 +284,164 @@ def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD,
   send_RD = jnp.where(filled_R[:, None], x_XD[copy_R % X], 0)
   local_R = jnp.where(filled_R, idx_J.at[copy_R].get(mode="clip") % e, e)  # e: an empty row, no expert
 
-  def exchange(a):
+  def exchange(a, plan=()):
     if shards == 1:
       return a
     return jax.lax.all_to_all(a.reshape(shards, cap, *a.shape[1:]), axes, 0, 0).reshape(a.shape)
 
-  y_RD = experts_local(exchange(send_RD), exchange(local_R)[:, None], jnp.ones((rows, 1), jnp.float32),
-                       w_gate_eDm, w_up_eDm, w_down_emD, matmul, padded=True)
+  y_RD = experts_local(dispatch(exchange, exchange, send_RD, (), fp8_dispatch), exchange(local_R)[:, None],
+                       jnp.ones((rows, 1), jnp.float32), w_gate_eDm, w_up_eDm, w_down_emD, matmul, padded=True)
   y_JD = exchange(y_RD).at[slot_J].get(mode="fill", fill_value=0)
   weights_KX = weights_XK.T.astype(y_JD.dtype)
   y_XD = jnp.einsum("KXD,KX->XD", y_JD.reshape(K, X, D), weights_KX)
   return y_XD, (slot_J < rows).reshape(K, X)
 
 
+def receive_rows(tokens: int, k: int, shards: int, cap: int, factor: float) -> int:
+  """R, the rows of a device's ragged receive buffer: ⌈factor · K·x⌉, at most all that can arrive (P · C)."""
+  return max(1, min(shards * cap, math.ceil(factor * tokens * k)))
+
+
+class RaggedPlan(NamedTuple):
+  """One device's side of both `ragged_all_to_all` calls. Slice i = peer · e + local expert (E slices, e per
+  peer); the forward call sends (send_offsets, send_sizes) to (out_offsets) and receives recv_sizes, the return
+  call sends (recv_offsets, recv_sizes) to (back_offsets) and receives send_sizes."""
+
+  send_offsets_E: jax.Array  # start of slice i in this device's send buffer (sorted by global expert; 0 if empty)
+  send_sizes_E: jax.Array  # rows of slice i sent to peer i // e (the kept ones)
+  out_offsets_E: jax.Array  # where slice i lands in peer i // e's receive buffer
+  recv_sizes_E: jax.Array  # rows received from source i // e for local expert i % e
+  recv_offsets_E: jax.Array  # where those rows lie in this device's receive buffer
+  back_offsets_E: jax.Array  # where they return to in source i // e's send buffer
+  group_sizes_e: jax.Array  # rows of each local expert in the receive buffer (expert-major, from offset 0)
+
+
+def ragged_plan(count_PE: jax.Array, me: jax.Array | int, rows: int) -> RaggedPlan:
+  """Device `me`'s plan from every source's copy counts per global expert [P (source), E] and the receive rows R.
+
+  Receive buffer of destination q, expert-major: local expert 0's rows from source 0, 1, ..., P-1, then local
+  expert 1's, ...; slice (l, s) starts at start[q, l, s] = Σ of the slices before it, and keeps
+  clip(R − start, 0, count) rows: the copies past R are the tail of the (destination, expert, source) order.
+  Slices that send nothing get offset 0.
+  """
+  P, E = count_PE.shape
+  e = E // P
+  count_PPe = count_PE.reshape(P, P, e)  # [source, destination, local expert]
+  arrive_PeP = count_PPe.transpose(1, 2, 0)  # [destination, local expert, source]: each receive buffer's order
+  flat_PR = arrive_PeP.reshape(P, e * P)
+  start_PeP = (jnp.cumsum(flat_PR, axis=1) - flat_PR).reshape(P, e, P)
+  kept_PeP = jnp.clip(rows - start_PeP, 0, arrive_PeP)
+  start_PeP = jnp.where(kept_PeP > 0, start_PeP, 0)  # an empty slice at 0, never past the end of a buffer
+  send_start_PPe = (jnp.cumsum(count_PE, axis=1) - count_PE).reshape(P, P, e)
+  send_start_PPe = jnp.where(kept_PeP.transpose(2, 0, 1) > 0, send_start_PPe, 0)
+  mine_eP = kept_PeP[me]
+  return RaggedPlan(send_offsets_E=send_start_PPe[me].reshape(E),
+                    send_sizes_E=kept_PeP[:, :, me].reshape(E),
+                    out_offsets_E=start_PeP[:, :, me].reshape(E),
+                    recv_sizes_E=mine_eP.T.reshape(E),
+                    recv_offsets_E=start_PeP[me].T.reshape(E),
+                    back_offsets_E=send_start_PPe[:, me].reshape(E),
+                    group_sizes_e=mine_eP.sum(-1))
+
+
+def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
+                            shards: int, cap: int, rows: int, matmul: str = "auto", fp8_dispatch: bool = False,
+                            exchange: Callable = jax.lax.ragged_all_to_all) -> tuple[jax.Array, jax.Array]:
+  """Expert-parallel computation with exact sizes: counts all-gathered, `ragged_all_to_all` of the routed copies
+  into R = `rows` rows grouped by local expert, grouped matmuls, `ragged_all_to_all` back, weighted combine.
+
+  The capacity rule (`cap` per destination, k-major) applies first, as in `experts_parallel`; copies past R on
+  their receiver are dropped too. `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on
+  CPU, where XLA has none). Returns the (partial, if m < M) output [X, D] and which copies were kept [K, X].
+  """
+  X, K = idx_XK.shape
+  D, e = x_XD.shape[1], w_gate_eDm.shape[0]
+  J = K * X
+  order_J, key_J, count_E = send_order(idx_XK, shards, e, cap)
+  count_PE = jax.lax.all_gather(count_E, axes).reshape(shards, shards * e)
+  plan = ragged_plan(count_PE, jax.lax.axis_index(axes), rows)
+
+  def send(a, plan):
+    return exchange(a, _buffer(a, rows), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
+                    plan.recv_sizes_E, axis_name=axes)
+
+  def back(a, plan):
+    return exchange(a, _buffer(a, J), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
+                    plan.send_sizes_E, axis_name=axes)
+
+  recv_RD = dispatch(send, back, x_XD[order_J % X], plan, fp8_dispatch)
+  y_RD = expert_ffn(recv_RD, plan.group_sizes_e, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
+  back_JD = dispatch(back, send, y_RD, plan)  # rows of dropped copies stay zero
+  position_J = jnp.zeros((J,), jnp.int32).at[order_J].set(jnp.arange(J, dtype=jnp.int32))
+  weights_KX = weights_XK.T.astype(back_JD.dtype)
+  y_XD = jnp.einsum("KXD,KX->XD", back_JD[position_J].reshape(K, X, D), weights_KX)
+  return y_XD, kept_sorted(key_J, plan)[position_J].reshape(K, X)
+
+
+def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The ragged send buffer's order: copies (j = k·X + x) sorted by global expert, so by destination and within
+  one by local expert, k-major within one expert; copies the capacity rule drops go last (key E, never sent).
+  Returns the copy at each position [J], its key [J] and the copies per expert within capacity [E]."""
+  E = shards * local_experts
+  idx_J = idx_XK.T.reshape(-1)
+  key_J = jnp.where(send_slots(idx_J // local_experts, shards, cap) < shards * cap, idx_J, E)
+  order_J = jnp.argsort(key_J, stable=True)
+  return order_J, key_J[order_J], jnp.bincount(key_J, length=E + 1)[:E].astype(jnp.int32)
+
+
+def kept_sorted(key_J: jax.Array, plan: RaggedPlan) -> jax.Array:
+  """Which positions of the send buffer are sent (each slice's first send_sizes rows; key E: none). An empty
+  slice's offset is 0, and it keeps no rank."""
+  E = plan.send_sizes_E.shape[0]
+  slice_J = jnp.minimum(key_J, E - 1)
+  rank_J = jnp.arange(key_J.shape[0], dtype=jnp.int32) - plan.send_offsets_E[slice_J]
+  return (key_J < E) & (rank_J < plan.send_sizes_E[slice_J])
+
+
+def _buffer(a: jax.Array, n: int) -> jax.Array:
+  """n zero rows like `a`'s, varying over the mesh axes `a` varies over (the result of ragged_all_to_all keeps the
+  varying axes of its `output` operand)."""
+  return jnp.zeros((n, *a.shape[1:]), a.dtype) + _zero(a).astype(a.dtype)
+
+
+def dispatch(send: Callable, back: Callable, x_ND: jax.Array, plan, fp8_dispatch: bool = False) -> jax.Array:
+  """send(x, plan), whose transpose is back(dy, plan) (the gradient goes back by it without JAX's own transpose
+  rule, which would all_to_all the ragged offsets again). `fp8_dispatch`: the rows travel as e4m3 with a float32
+  scale per 1×128 tile beside each, dequantised to x's dtype on arrival; the gradient passes straight through the
+  rounding and goes back in x's dtype."""
+  return _dispatch(send, back, fp8_dispatch, x_ND, plan)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _dispatch(send, back, fp8_dispatch, x_ND, plan):
+  if not fp8_dispatch:
+    return send(x_ND, plan)
+  q_ND, scale_NT = fp8.to_e4m3_tiles(x_ND)  # one exchange of bytes [N, D + 4·⌈D/128⌉]: row, then its scales
+  N, D = x_ND.shape
+  T = scale_NT.shape[1]
+  packed = jnp.concatenate([jax.lax.bitcast_convert_type(q_ND, jnp.uint8),
+                            jax.lax.bitcast_convert_type(scale_NT, jnp.uint8).reshape(N, 4 * T)], axis=1)
+  got = send(packed, plan)
+  q_MD = jax.lax.bitcast_convert_type(got[:, :D], fp8.E4M3)
+  scale_MT = jax.lax.bitcast_convert_type(got[:, D:].reshape(-1, T, 4), jnp.float32)
+  return fp8.from_e4m3_tiles(q_MD, scale_MT, x_ND.dtype)
+
+
+def _dispatch_fwd(send, back, fp8_dispatch, x_ND, plan):
+  return _dispatch(send, back, fp8_dispatch, x_ND, plan), plan
+
+
+def _dispatch_bwd(send, back, fp8_dispatch, plan, dy_MD):
+  return back(dy_MD, plan), jax.tree.map(lambda _: None, plan)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
 def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD, routing: Routing,
-                   capacity_factor: float | None = None, fp8_inputs: bool = False, matmul: str = "auto"):
+                   capacity_factor: float | None = None, fp8_inputs: bool = False, matmul: str = "auto",
+                   dispatch: str = "auto", recv_factor: float = 2.0, fp8_dispatch: bool = False):
   """Routing and expert computation on every token shard inside `jax.shard_map`, experts split on `expert`.
 
   Only the statistics and the expert-axis dispatch cross shards: expert loads and dropped copies are summed
@@ -303,13 +449,15 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   all-reduced. Returns y [B, T, D], load [E] (tokens per expert over the global batch), balance loss per
   sequence [B], dropped (token copies over capacity, summed over the global batch) [].
   `fp8_inputs`: the tokens the experts see are rounded to FP8 (1×128 tiles); the router sees them unrounded.
-  `matmul`: the grouped matmul (model.moe_matmul).
+  `matmul`: the grouped matmul (model.moe_matmul); `dispatch`, `recv_factor`, `fp8_dispatch`: model.moe_dispatch,
+  model.moe_recv_factor, model.moe_dispatch_dtype=float8_e4m3fn.
   """
   mesh = rules.has_mesh()
   batch_axes, length_axes = rules.mesh_axes("batch"), rules.mesh_axes("length")
   tensor_axes, expert_axes = rules.mesh_axes("expert_mlp"), rules.mesh_axes("experts")
   shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in expert_axes) if mesh else 1
   psum = lambda x, axes: jax.lax.psum(x, axes) if mesh and axes else x
+  ragged = kernels.dispatch_kind(dispatch) == "ragged" and shards > 1
 
   def local(x_btD, valid_bt, w_router_DE, bias_E, w_gate_eDm, w_up_eDm, w_down_emD):
     b, t, D = x_btD.shape
@@ -325,8 +473,13 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
       y_xD = experts_local(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
       dropped = jnp.zeros((), jnp.float32)
     else:
-      y_xD, kept_Kx = experts_parallel(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD, expert_axes,
-                                       shards, cap, matmul)
+      if ragged:
+        rows = receive_rows(b * t, K, shards, cap, recv_factor)
+        y_xD, kept_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD,
+                                                expert_axes, shards, cap, rows, matmul, fp8_dispatch)
+      else:
+        y_xD, kept_Kx = experts_parallel(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD, expert_axes,
+                                         shards, cap, matmul, fp8_dispatch)
       dropped = ((1.0 - kept_Kx.astype(jnp.float32)) * valid_x).sum()
     y_btD = psum(y_xD.reshape(b, t, D), tensor_axes)
     chosen_xE = jax.nn.one_hot(idx_xK, E, dtype=jnp.float32).sum(-2) * valid_x[:, None]
@@ -383,6 +536,9 @@ class MoE(nnx.Module):
                       f"for dropless dispatch")
     self.capacity_factor = cfg.moe_capacity_factor
     self.matmul = cfg.moe_matmul
+    kernels.dispatch_kind(cfg.moe_dispatch)  # refused now where it cannot run, not while tracing
+    self.dispatch, self.recv_factor = cfg.moe_dispatch, cfg.moe_recv_factor
+    self.fp8_dispatch = cfg.moe_dispatch_dtype == "float8_e4m3fn"
     self.dtype = dtype
 
   def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -391,7 +547,7 @@ class MoE(nnx.Module):
     bias_E = self.bias_E[...] if self.bias_E is not None else jnp.zeros(self.w_router_DE.shape[1:], jnp.float32)
     y_BTD, load_E, balance_B, dropped = routed_experts(
         x_BTD, valid_BT, self.w_router_DE[...], bias_E, w(self.w_gate_EDM), w(self.w_up_EDM), w(self.w_down_EMD),
-        self.routing, self.capacity_factor, self.fp8, self.matmul)
+        self.routing, self.capacity_factor, self.fp8, self.matmul, self.dispatch, self.recv_factor, self.fp8_dispatch)
     if self.shared is not None:
       y_BTD = y_BTD + self.shared(x_BTD)
     return y_BTD, {"load": load_E, "balance": balance_B, "dropped": dropped}
