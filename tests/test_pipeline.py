@@ -1,6 +1,7 @@
 """Pipeline parallelism over the `pipeline` axis (GPipe and circular schedules) against the single-device run."""
 
 import functools
+import math
 import re
 
 import jax
@@ -138,7 +139,20 @@ def test_layer_stacks_are_split_into_stages():
   moe_spec = jax.tree.leaves(trainer.state_shardings.params["moe_layers"])[0].spec
   dense_spec = jax.tree.leaves(trainer.state_shardings.params["dense_layers"])[0].spec
   assert moe_spec[0] == "pipeline"  # 2 MoE layers: one per stage
-  assert dense_spec[0] is None  # 1 dense layer: on every stage
+  assert dense_spec[0] is None  # 1 dense layer: not pipelined, its model dimension split over the stages instead
+  shardings = jax.tree_util.tree_leaves_with_path(trainer.state_shardings.params)
+  shapes = dict(zip([path for path, _ in shardings], jax.tree.leaves(trainer.abstract_state.params)))
+  outside = [(path, s) for path, s in shardings if "moe_layers" not in jax.tree_util.keystr(path)]
+  split = [(path, s) for path, s in outside if "pipeline" in str(s.spec)]
+  names = {jax.tree_util.keystr(path) for path, _ in split}
+  assert {"['embed']['table_VD']", "['head_DV']", "['dense_layers']['blocks']['mlp']['w_down_FD']",
+          "['dense_layers']['blocks']['attn']['w_uk_CNH']"} <= names
+  assert len(split) == len(outside)  # every one of them
+  for path, s in split:  # each device holds half of such a weight (and of its gradient)
+    shape = shapes[path].shape
+    assert math.prod(s.shard_shape(shape)) * 2 == math.prod(shape), jax.tree_util.keystr(path)
+  moments = [s for s in jax.tree.leaves(trainer.state_shardings.opt_state) if "pipeline" in str(s.spec)]
+  assert len(moments) >= 2 * len(split)  # Adam's two moments follow their parameters
   assert pipeline.bubble_fraction(2, 4) == pytest.approx(1 / 5)
   summary = pipeline.summary(cfg, 2)
   assert "bubble (S-1)/(M+S-1) = 20.0%" in summary and "MoE stack 1 layers per stage" in summary

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import jax
 from flax import nnx
@@ -138,11 +139,33 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
 def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
                mesh: jax.sharding.Mesh | None = None, rules: Rules = PARAM_RULES) -> PartitionSpec:
   """A parameter's PartitionSpec. With a pipeline axis > 1 in `mesh`, a layer stack whose layer count it
-  divides is split into stages along it (jaxseek.sharding.pipeline runs those stacks as a pipeline)."""
+  divides is split into stages along it (jaxseek.sharding.pipeline runs those stacks as a pipeline); every
+  other parameter (embedding, head, final norm, a stack that is not pipelined, MTP) is split over the stages
+  on its model dimension ("embed", after fsdp) where that divides: stored, with its gradient and optimiser
+  state, 1/S on each stage instead of whole on every one, and gathered over `pipeline` once per step where the
+  schedule starts (ZeRO-3 over the stages; its gradient is reduce-scattered there once per step)."""
   out = spec(names, rules)
   stages = mesh.shape.get("pipeline", 1) if mesh is not None else 1
   if stages > 1 and names and names[0] == "layers" and shape is not None and shape[0] % stages == 0:
     out = PartitionSpec("pipeline", *out[1:])
+  elif stages > 1 and shape is not None:
+    out = _over_stages(out, names, shape, mesh)
+  return out
+
+
+def _over_stages(out: PartitionSpec, names: tuple[str | None, ...], shape: tuple[int, ...],
+                 mesh: jax.sharding.Mesh) -> PartitionSpec:
+  """`out` with one dimension also split over `pipeline`: the model dimension ("embed", after fsdp) where its
+  size allows, else the first other unsplit one that divides (the MLA up-projections' latent rank)."""
+  entries = list(out) + [None] * (len(shape) - len(out))
+  axes = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)
+  split = lambda i: mesh.shape["pipeline"] * math.prod(mesh.shape[a] for a in axes(entries[i]))
+  order = [names.index("embed")] if "embed" in names else []
+  order += [i for i, n in enumerate(names) if n not in ("layers", "embed") and entries[i] is None]
+  for i in order:
+    if shape[i] % split(i) == 0:
+      entries[i] = (*axes(entries[i]), "pipeline")
+      return PartitionSpec(*entries)
   return out
 
 
