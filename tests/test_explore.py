@@ -343,3 +343,131 @@ def test_deepseek_v3_published_layout_and_batch():
   assert activations["gpipe"] > 100 * 2**30 and not plans["gpipe"]["memory"]["fits"]
   assert activations["1f1b"] < 8 * 2**30, activations
   assert plans["1f1b-bf16"]["memory"]["fits"] and plans["1f1b-bf16"]["memory_per_device"]["total"] < 80 * 2**30
+
+
+def test_ragged_dispatch_bytes_equal_a_hand_count():
+  """tiny-v3 on expert 4 × data 2, one microbatch, no remat, float8 dispatch, 2 GPUs a node. A device holds
+  x = 16·24 / 8 = 48 tokens and sends J = K·x = 96 copies, 3/4 of them to other shards: per MoE layer the
+  forward sends them as float8 rows (40 bytes + one float32 scale) and gets the float32 results back; the
+  backward sends both gradients in float32; before the forward each device all-gathers the 8 experts' counts
+  of the 3 others. 2 MoE layers. Of the copies that leave, 1/3 go to the one other shard of the node."""
+  cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn")
+  hw = explore.hardware("h100-80g", devices_per_node=2)
+  plan = explore.plan(explore.describe(cfg), sizes_of("e4d2"), hw)
+  leaving, row_fp8, row_f32 = 96 * 3 // 4, 40 + 4, 40 * 4
+  per_layer = leaving * (row_fp8 + row_f32) + leaving * 2 * row_f32 + 3 * 8 * 4
+  dispatch = plan["expert_dispatch"]
+  assert (dispatch["kind"], dispatch["rows_sent"], dispatch["rows_received"]) == ("ragged", 96, 192)  # R = 2·J
+  assert dispatch["bytes_total"] == 2 * per_layer
+  rows = {(c["collective"], c["link"]): c["bytes_per_device"] for c in plan["communication"]["expert"]
+          if c["collective"] != "all-reduce"}
+  assert rows == {("ragged-all-to-all", "inter-node"): 2 * (per_layer - 96) * 2 // 3,
+                  ("ragged-all-to-all", "intra-node"): 2 * (per_layer - 96) // 3,
+                  ("all-gather", "inter-node"): 2 * 96}
+  buffers = {r["name"]: r["shape"] for r in plan["activations"] if r["scope"] == "moe"}
+  assert buffers["rows received (float8 + scales)"] == [192, 44] and buffers["results returned"] == [96, 40]
+
+
+def test_gradient_sums_on_gradsum_axes_run_once_per_step():
+  """More microbatches repeat the gradient all-reduce of an axis the step sums per microbatch, not of one it
+  sums once per step (sharding/gradsum.py)."""
+  from jaxseek.explore import comm as explore_comm
+
+  cfg = load_config("tiny-v3", *mesh_overrides("e4d2"))
+  model, hw, sizes = explore.describe(cfg), explore.hardware("h100-80g"), sizes_of("e4d2")
+  once = explore_comm.summed_axes(cfg, sizes)
+  assert "data" in once
+  reductions = {}
+  for micro in (1, 2, 4):
+    comm = explore.plan(model.with_train(microbatches=micro), sizes, hw)["communication"]
+    reductions[micro] = {axis: next((c["count"], c["bytes_per_device"]) for c in comm[axis]
+                                    if c["collective"] == "all-reduce") for axis in ("data", "expert")}
+  for axis in ("data", "expert"):
+    counts = [reductions[m][axis] for m in (1, 2, 4)]
+    if axis in once:
+      assert counts[0] == counts[1] == counts[2]
+    else:
+      assert [c[0] for c in counts] == [counts[0][0] * m for m in (1, 2, 4)]
+
+
+def test_weights_outside_the_pipelined_stack_are_stored_over_the_stages():
+  """tiny-dense on pipeline 2 × data 4 under 1F1B: both layers are pipelined (one a stage); the embedding
+  [V, D], final norm [D] and head [D, V] are stored split over the stages on D, so a stage holds half of
+  every parameter; it gathers them whole once per step (float32), accumulates their gradients whole in
+  float32, and reduce-scatters those once."""
+  cfg = load_config("tiny-dense", *mesh_overrides("p2d4"), "train.pipeline_schedule=1f1b", "train.microbatches=2")
+  model = explore.describe(cfg)
+  plan = explore.plan(model, sizes_of("p2d4"), explore.hardware("h100-80g"))
+  memory = plan["memory_per_device"]
+  outer = (2 * 264 * 48 + 48) * 4
+  assert memory["parameters"] == model.total_parameters * 4 // 2
+  assert memory["parameters"] == (model.total_parameters * 4 - outer) // 2 + outer // 2
+  assert memory["gathered_weights"] == outer and memory["gradients"] == memory["parameters"] + outer
+  pipeline = {c["collective"]: c["bytes_per_device"] for c in plan["communication"]["pipeline"]}
+  assert pipeline["all-gather"] == pipeline["reduce-scatter"] == outer // 2
+  rows = {r["name"]: r["placement"] for r in plan["parameters"]}
+  assert rows["embed.table_VD"] == "table[V, D_pipeline]" and rows["head_DV"] == "head[D_pipeline, V]"
+
+
+HLO = """HloModule m, is_scheduled=true
+
+%fused_add (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %add = f32[8]{0} add(%p0, %p0)
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped_all_to_all (q: f32[8]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  ROOT %a2a = f32[8]{0} all-to-all(%q), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8]{0} get-tuple-element(%t), index=1
+  %ag-start = (f32[4]{0}, f32[8]{0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add
+  %ag-done = f32[8]{0} all-gather-done(%ag-start)
+  %ar-start = f32[8]{0} all-reduce-start(%f), channel_id=2, replica_groups={{0,1}}, to_apply=%sum
+  %ar-done = f32[8]{0} all-reduce-done(%ar-start)
+  %a2a-start = ((f32[8]{0}), f32[8]{0}) async-start(%ar-done), calls=%wrapped_all_to_all
+  %g = f32[8]{0} fusion(%ag-done), kind=kLoop, calls=%fused_add
+  %a2a-done = f32[8]{0} async-done(%a2a-start)
+  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%g), channel_id=4, source_target_pairs={{0,1},{1,0}}, backend_config={"collective_backend_config":{"is_sync":true}}
+  %h = f32[8]{0} fusion(%a2a-done), kind=kLoop, calls=%fused_add
+  %cp-done = f32[8]{0} collective-permute-done(%cp-start)
+  ROOT %out = (s32[], f32[8]{0}) tuple(%i, %cp-done)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %x)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %y = f32[8]{0} get-tuple-element(%w), index=1
+  ROOT %r = f32[8]{0} all-reduce(%y), channel_id=5, replica_groups={{0,1}}, to_apply=%sum
+}
+"""
+
+
+def test_overlap_of_async_collectives_in_a_scheduled_module():
+  """In the loop (3 trips): the all-gather and the wrapped all-to-all have a fusion between start and done,
+  the all-reduce none, the collective-permute one but XLA runs it synchronously; the final all-reduce is not
+  async."""
+  from jaxseek.explore import overlap
+
+  got = {kind: (r["ops"], r["async"], r["overlapped"], r["overlapped_bytes"])
+         for kind, r in overlap.overlap(HLO).items()}
+  assert got == {"all-gather": (3, 3, 3, 3 * 32), "all-reduce": (4, 3, 0, 0), "all-to-all": (3, 3, 3, 3 * 32),
+                 "collective-permute": (3, 3, 0, 0)}

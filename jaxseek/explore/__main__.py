@@ -106,9 +106,12 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
   if args.compile and args.target:
     from jaxseek.explore import compile as explore_compile
     from jaxseek.explore import gpu as explore_gpu
+    from jaxseek.explore import overlap as explore_overlap
 
     compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node)
     compiled.pop("hlo")
+    compiled["overlap"] = explore_overlap.beside_estimate(compiled["overlap"], result["communication"],
+                                                          result["step_time_s"])
     result["compiled"] = {**compiled, **explore_compile.predicted(result, compiled["batch_bytes"])}
   elif args.compile:
     from jaxseek.explore import compile as explore_compile

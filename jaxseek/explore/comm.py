@@ -44,12 +44,7 @@ from typing import Any
 from jaxseek.config import MESH_AXES
 from jaxseek.explore import layout as ex
 from jaxseek.explore import memory as em
-from jaxseek.sharding import compression
-
-try:
-  from jaxseek.sharding import gradsum
-except ImportError:  # the step without sharding/gradsum.py: every batch axis reduced per microbatch
-  gradsum = None
+from jaxseek.sharding import compression, gradsum
 
 BATCH_AXES = ("data", "fsdp", "expert", "context")
 
@@ -98,7 +93,7 @@ def communication(model: ex.Model, sizes: dict[str, int], hw: Hardware, stage: i
 
 def summed_axes(cfg, sizes: dict[str, int]) -> tuple[str, ...]:
   """The batch axes whose gradient sum the step runs once per step (sharding/gradsum.py)."""
-  return tuple(gradsum.axes(cfg, sizes)) if gradsum else ()
+  return tuple(gradsum.axes(cfg, sizes))
 
 
 def _weights(model: ex.Model, sizes, stage, stages, micro, passes):

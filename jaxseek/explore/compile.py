@@ -20,7 +20,8 @@ from jaxseek.config import MESH_AXES, Config
 from jaxseek.errors import UserError
 from jaxseek.input.pipeline import BATCH_KEYS, batch_shardings
 
-COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+COLLECTIVE = re.compile(
+    r"(?<![\w-])(ragged-all-to-all|all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 _IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)")

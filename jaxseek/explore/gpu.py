@@ -2,8 +2,8 @@
 
 XLA compiles for a PJRT GPU topology described by a `GpuTargetConfigProto` (the files in `targets/`, XLA's own
 device descriptions) without a GPU or a driver: the result is the optimised GPU program, its buffer assignment
-(`memory_analysis()`, per device) and which kernels it runs (custom calls: tokamax's Mosaic GPU and Triton
-kernels, cuBLAS, cuDNN). Needs the CUDA build of JAX (`pip install -e '.[gpu]'`), never a GPU. Nothing is
+(`memory_analysis()`, per device), which kernels it runs (custom calls: tokamax's Mosaic GPU and Triton
+kernels, cuBLAS, cuDNN) and which collectives it overlaps with compute (explore/overlap.py). Needs the CUDA build of JAX (`pip install -e '.[gpu]'`), never a GPU. Nothing is
 autotuned and cuBLAS/cuDNN workspaces are not sized; everything else is the real compiler pipeline.
 """
 
@@ -67,6 +67,7 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
   device, the kernels (custom calls) the program runs and its largest array shapes."""
   from jaxseek import step as step_lib
   from jaxseek.explore import compile as explore_compile
+  from jaxseek.explore import overlap as explore_overlap
   from jaxseek.sharding import mesh as mesh_lib
 
   n = int(np.prod(list(sizes.values())))
@@ -95,7 +96,7 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
           "batch_bytes": sum(int(np.prod(b.sharding.shard_shape(b.shape))) * b.dtype.itemsize for b in batch.values()),
           "custom_calls": dict(calls), "kernels": kernels_used(calls),
           "collectives": explore_compile.count_collectives(text, tuple(mesh.devices.shape)),
-          "hlo": text}
+          "overlap": explore_overlap.overlap(text), "hlo": text}
 
 
 def kernels_used(calls: dict[str, int]) -> dict[str, int]:

@@ -111,9 +111,44 @@ def print_communication(result: dict[str, Any], out: Console) -> None:
                     seconds(c["time_s"]))
   out.print(table)
   compute, hw = result["compute"], result["hardware"]
+  summed = result.get("gradient_sums_once_per_step")
+  if summed is not None:
+    out.print(f"gradient sums once per step over: {', '.join(summed) or 'none'} (the other batch axes reduce per "
+              f"microbatch)")
+  x = result.get("expert_dispatch")
+  if x and x["shards"] > 1:
+    out.print(expert_line(x))
   out.print(f"compute {compute['flops_per_device']:.3g} FLOPs/device → {seconds(compute['time_s'])} at "
                 f"{hw['peak_tflops']:g} TFLOP/s; pipeline bubble {seconds(compute['bubble_s'])}; estimated step "
                 f"{seconds(result['step_time_s'])} (no overlap of compute and collectives)")
+
+
+def expert_line(x: dict[str, Any]) -> str:
+  """The expert dispatch in one paragraph: rows, where the copies go, what the shard limit bounds."""
+  P, g = x["shards"], x["shards_per_node"]
+  rows = (f"{x['rows_sent']:,} token copies sent, {x['rows_received']:,} rows received" if x["kind"] == "ragged"
+          else f"{x['rows_sent']:,} buffer rows out and back")
+  limit = x["max_expert_shards"]
+  bound = (f"model.moe_max_expert_shards={limit}: a token reaches at most {x['shards_per_token_max']} shards on "
+           f"{x['nodes_per_token_max']} nodes" if limit else "no shard limit")
+  return (f"expert dispatch ({x['kind']}, {x['dispatch_dtype']} out): {rows} per MoE layer run; of the copies "
+          f"{100 * x['share_on_device']:.1f}% stay on the device, {100 * x['share_intra_node']:.1f}% go to the "
+          f"{g - 1} other shards of its node, {100 * x['share_inter_node']:.1f}% cross nodes ({x['nodes']} nodes of "
+          f"{g} shards); {bound}; every copy is sent, so {x['inter_node_copies_per_token']:.2f} of a token's copies "
+          f"cross nodes (one send per node reached would be at most "
+          f"{x['inter_node_sends_per_token_one_per_node_max']}); {human(x['bytes_total'])} per step = "
+          f"{x['vs_ideal']:.2f} × the ideal ({human(x['ideal_bytes'])})")
+
+
+def print_overlap(overlap: dict[str, Any], out: Console) -> None:
+  table = _table("Collectives XLA overlaps with compute (ops weighted by loop trip counts)", "collective", "ops",
+                 "async", "overlapped", "% bytes overlapped", "time (analytic, no overlap)")
+  for kind, r in overlap["kinds"].items():
+    table.add_row(kind, f"{r['ops']:g}", f"{r['async']:g}", f"{r['overlapped']:g}",
+                  f"{100 * r['overlapped_share']:.0f}", seconds(r["analytic_time_s"]))
+  out.print(table)
+  out.print(f"estimated step {seconds(overlap['step_time_s'])} with no overlap; "
+            f"{seconds(overlap['step_if_overlap_hidden_s'])} if the overlapped share of each kind were hidden")
 
 
 def print_compiled(compiled: dict[str, Any], out: Console) -> None:
@@ -132,6 +167,8 @@ def print_compiled(compiled: dict[str, Any], out: Console) -> None:
       table.add_row(name, str(count))
     out.print(table)
     out.print(f"XLA total (arguments + outputs − aliased + temporaries): {human(compiled['total_bytes'])} per device")
+    if "overlap" in compiled:
+      print_overlap(compiled["overlap"], out)
   table = _table("Collectives in the compiled module (ops by mesh axes)", "collective", "axes", "count",
                  "analytic expects")
   expected = compiled["predicted_collectives"]
