@@ -22,6 +22,8 @@ from jaxseek import faults
 from jaxseek.evaluate import Evaluator
 from jaxseek.errors import RunStopped, UserError, cli
 from jaxseek.explore import suggest as explore_suggest
+from jaxseek.model import kernels
+from jaxseek.sharding import gradsum
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.step import TrainState, Trainer, check_setup, compile_step, make_trainer
@@ -87,6 +89,10 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
   if mesh.shape["pipeline"] > 1:
     _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"], dict(mesh.shape)))
+  if cfg.model.is_moe:
+    with jax.set_mesh(mesh):
+      _log(kernels.dispatch_summary(cfg, dict(mesh.shape)))
+  _log(gradsum.summary(cfg, dict(mesh.shape)))
   evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)

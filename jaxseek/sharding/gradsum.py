@@ -42,6 +42,20 @@ def axes(cfg: config_lib.Config, sizes: dict[str, int]) -> tuple[str, ...]:
   return tuple(out)
 
 
+def summary(cfg: config_lib.Config, sizes: dict[str, int]) -> str:
+  """One start-up line: where the gradient sums over the batch axes run."""
+  summed = axes(cfg, sizes)
+  parts = [f"{'×'.join(f'{a}={sizes[a]}' for a in summed)} summed once per step"] if summed else []
+  if cfg.train.grad_compression != "none" and sizes.get("data", 1) > 1:
+    parts.append(f"data={sizes['data']} summed once per step compressed ({cfg.train.grad_compression})")
+  if sizes.get("fsdp", 1) > 1 and "fsdp" not in summed:
+    parts.append(f"fsdp={sizes['fsdp']} reduce-scattered per microbatch (ZeRO-3)")
+  per_micro = [f"{a}={sizes[a]}" for a in ("expert", "context") if sizes.get(a, 1) > 1 and a not in summed]
+  if per_micro:
+    parts.append(f"{', '.join(per_micro)} all-reduced per microbatch for the weights replicated there")
+  return "gradients: " + ("; ".join(parts) if parts else "one device group, nothing to sum")
+
+
 def groups(sizes: dict[str, int], summed: tuple[str, ...]) -> int:
   """Device groups whose gradients are summed: the product of the `summed` axes' sizes."""
   return math.prod(sizes[a] for a in summed)
