@@ -250,7 +250,7 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
         table.bubble()
   else:
     schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
-    keeps = "all microbatches' activations kept until the backward; embedding, head and MTP on every stage"
+    keeps = "all microbatches' activations kept until the backward; embedding, head and MTP run on every stage"
     bubble = bubble_fraction(stages, M, r)
   outside = ""
   if sizes is not None and not splits_batch(cfg, sizes):
@@ -259,7 +259,7 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
                f"{stages * shards}: outside the schedule the batch is split over data x fsdp x expert = {shards} "
                f"only, every stage computing the same rows")
   return (f"pipeline: {stages} stages x {M} microbatches ({schedule}), bubble {formula} = {100 * bubble:.1f}% | "
-          f"{', '.join(stacks)}; {keeps}{outside}")
+          f"{', '.join(stacks)}; {keeps}; weights outside the pipelined stack stored 1/{stages} per stage{outside}")
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
