@@ -231,7 +231,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
     gradients = lambda params, batch: objective.pipelined_gradients(trainer, cfg, state, params, batch, norms)
   residual = state.grad_residual
   if not jax.tree.leaves(residual):
-    grads, ce_sum, mtp_sums, balance, loads = gradsum.once_per_step(gradients, summed)(state.params, batch)
+    specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.params)
+    grads, ce_sum, mtp_sums, balance, loads = gradsum.once_per_step(gradients, summed, specs)(state.params, batch)
   else:
     grads, ce_sum, mtp_sums, balance, loads, residual = _compressed_sum(gradients, trainer, cfg, state, batch)
   grads = jax.tree.map(lambda g: g / state.loss_scale, grads)

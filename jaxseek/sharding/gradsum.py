@@ -61,21 +61,46 @@ def groups(sizes: dict[str, int], summed: tuple[str, ...]) -> int:
   return math.prod(sizes[a] for a in summed)
 
 
-def once_per_step(gradients: Callable, summed: tuple[str, ...]) -> Callable:
+def once_per_step(gradients: Callable, summed: tuple[str, ...], param_specs=None) -> Callable:
   """gradients(params, batch) → (grads, ce_sum, mtp_sums, balance, loads), run on each group's rows of `batch`
   (split on its first axis over `summed`) and summed over the groups once: grads, losses and loads added,
-  the balance term (a mean over rows) averaged."""
+  the balance term (a mean over rows) averaged. `param_specs` (PartitionSpecs of the parameters; None: all
+  replicated on `summed`): a parameter split over one of the `summed` axes (expert weights on `expert`) enters
+  as its local block and its gradient is summed over the other axes only."""
   if not summed:
     return gradients
+  local_specs = P() if param_specs is None else jax.tree.map(lambda s: restricted(s, summed), param_specs,
+                                                               is_leaf=lambda x: isinstance(x, P))
 
   def local(params, batch):
     grads, ce_sum, mtp_sums, balance, loads = gradients(params, batch)
-    grads, ce_sum, mtp_sums, balance, loads = jax.lax.psum((grads, ce_sum, mtp_sums, balance, loads), summed)
+    if param_specs is None:
+      grads = jax.lax.psum(grads, summed)
+    else:
+      grads = jax.tree.map(lambda s, g: _psum(g, tuple(a for a in summed if a not in _named(s))), local_specs,
+                           grads, is_leaf=lambda x: isinstance(x, P))
+    ce_sum, mtp_sums, balance, loads = jax.lax.psum((ce_sum, mtp_sums, balance, loads), summed)
     n = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in summed)
     return grads, ce_sum, mtp_sums, balance / n, loads
 
   def run(params, batch):
-    return jax.shard_map(local, in_specs=(P(), P(summed)), out_specs=P(), axis_names=set(summed),
-                         check_vma=False)(params, batch)
+    return jax.shard_map(local, in_specs=(local_specs, P(summed)), out_specs=(local_specs, P(), P(), P(), P()),
+                         axis_names=set(summed), check_vma=False)(params, batch)
 
   return run
+
+
+def restricted(spec: P, kept: tuple[str, ...]) -> P:
+  """`spec` naming only the mesh axes in `kept` (the manual axes of a partial shard_map)."""
+  def entry(e):
+    axes = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in kept)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return P(*(entry(e) for e in spec))
+
+
+def _named(spec: P) -> set[str]:
+  return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+
+
+def _psum(x, axes: tuple[str, ...]):
+  return jax.lax.psum(x, axes) if axes else x
