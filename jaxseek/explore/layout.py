@@ -10,10 +10,9 @@ D over the fsdp axis and F over tensor; only axes larger than 1 are shown.
 The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack the stage count S divides,
 or with at least 2·S layers, is split into S stages (each holds L/S layers, after identity padding to a multiple
 of S·R when S·R does not divide L). Everything else (another stack, the embedding, the final norm, the head,
-the multi-token-prediction layers: the *outer* weights) is held whole by every stage under GPipe and circular
-schedules, where it runs data-parallel (the batch split over `pipeline` outside the schedule); under a table
-schedule (1F1B, interleaved 1F1B, DualPipeV) it is stored 1/S per stage on one more dimension split over
-`pipeline`, gathered whole once per step when the schedule starts. Every stage therefore stores the same.
+the multi-token-prediction layers: the *outer* weights) is placed by `rules.param_spec` with the mesh: stored
+1/S per stage on one more dimension split over `pipeline` where one divides, and gathered whole for the step
+(`leaves_on`). Every stage therefore stores the same.
 """
 
 from __future__ import annotations

@@ -163,16 +163,7 @@ class Dispatch:
   dtype: str  # the dispatch dtype
 
 
-RECV_FACTOR = 2.0  # model.moe_recv_factor where the config has none: receive buffer rows / a device's copies
 FP8_TILE = 128  # channels per float32 scale of a float8 row
-
-
-def dispatch_kind(cfg: Config, platform: str) -> str:
-  """model.moe_dispatch resolved: auto is ragged on GPU and TPU, fixed on CPU (no ragged_all_to_all there)."""
-  setting = getattr(cfg.model, "moe_dispatch", "auto")
-  if setting == "auto":
-    return "ragged" if platform in ("gpu", "tpu") else "fixed"
-  return setting
 
 
 def packed_row_bytes(D: int) -> int:
@@ -187,13 +178,12 @@ def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> D
   e = -(-m.n_routed_experts // P)
   x = -(-batch // batch_shards(sizes)) * -(-cfg.train.seq_len // sizes["context"])
   cap = moe_lib.capacity(x, K, P, e, m.moe_capacity_factor)
-  dtype = getattr(m, "moe_dispatch_dtype", None) or cfg.train.compute_dtype
+  dtype = m.moe_dispatch_dtype or cfg.train.compute_dtype
   out_row = packed_row_bytes(D) if dtype.startswith("float8") else D * a
-  if dispatch_kind(cfg, platform) == "fixed" or P == 1:
+  if kernels.dispatch_kind(m.moe_dispatch, platform) == "fixed" or P == 1:
     return Dispatch("fixed", P, e, x, P * cap, P * cap, out_row + 4, D * a, dtype)
-  factor = getattr(m, "moe_recv_factor", None) or RECV_FACTOR
-  received = max(1, min(P * cap, math.ceil(factor * x * K)))  # moe.receive_rows
-  return Dispatch("ragged", P, e, x, x * K, received, out_row, D * a, dtype)
+  return Dispatch("ragged", P, e, x, x * K, moe_lib.receive_rows(x, K, P, cap, m.moe_recv_factor), out_row, D * a,
+                  dtype)
 
 
 def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> list[Tensor]:
