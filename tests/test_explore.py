@@ -439,7 +439,7 @@ HLO = """HloModule m, is_scheduled=true
   %a2a-start = ((f32[8]{0}), f32[8]{0}) async-start(%ar-done), calls=%wrapped_all_to_all
   %g = f32[8]{0} fusion(%ag-done), kind=kLoop, calls=%fused_add
   %a2a-done = f32[8]{0} async-done(%a2a-start)
-  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%g), channel_id=4, source_target_pairs={{0,1},{1,0}}, backend_config={"collective_backend_config":{"is_sync":true}}
+  %cp-start = (f32[8]{0}, f32[8]{0}) collective-permute-start(%g), backend_config={"collective_backend_config":{"is_sync":true}}
   %h = f32[8]{0} fusion(%a2a-done), kind=kLoop, calls=%fused_add
   %cp-done = f32[8]{0} collective-permute-done(%cp-start)
   ROOT %out = (s32[], f32[8]{0}) tuple(%i, %cp-done)

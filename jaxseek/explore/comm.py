@@ -14,8 +14,8 @@ all-gather or reduce-scatter moves (n−1)/n of the whole, an all-reduce twice t
   tensor    all-reduce of x[B, T, D] partial sums: 2 per layer and pass (attention out, MLP / MoE out), plus the
             embedding lookup and the head's input gradient
   expert    per MoE layer and pass (memory.dispatch): fixed, all_to_all of the [P·C, D] buffers out and back;
-            ragged, an all_gather of the copy counts per expert, then ragged_all_to_all of the x·K token copies out (the
-            dispatch dtype; the backward's in the compute dtype) and back (compute dtype). Of the copies 1/P
+            ragged, an all_gather of the copy counts per expert, then ragged_all_to_all of the x·K token copies
+            out (the dispatch dtype; the backward's in the compute dtype) and back (compute dtype). Of the copies 1/P
             stay on the device, (g − 1)/P go to the g − 1 other shards of its node (NVLink), (P − g)/P cross
             nodes, with g = the expert shards one node holds (balanced routing)
   context   all-gather of the keys and values per layer and pass (their gradients reduce-scattered)

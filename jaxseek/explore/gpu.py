@@ -3,8 +3,9 @@
 XLA compiles for a PJRT GPU topology described by a `GpuTargetConfigProto` (the files in `targets/`, XLA's own
 device descriptions) without a GPU or a driver: the result is the optimised GPU program, its buffer assignment
 (`memory_analysis()`, per device), which kernels it runs (custom calls: tokamax's Mosaic GPU and Triton
-kernels, cuBLAS, cuDNN) and which collectives it overlaps with compute (explore/overlap.py). Needs the CUDA build of JAX (`pip install -e '.[gpu]'`), never a GPU. Nothing is
-autotuned and cuBLAS/cuDNN workspaces are not sized; everything else is the real compiler pipeline.
+kernels, cuBLAS, cuDNN) and which collectives it overlaps with compute (explore/overlap.py). Needs the CUDA
+build of JAX (`pip install -e '.[gpu]'`), never a GPU. Nothing is autotuned and cuBLAS/cuDNN workspaces are not
+sized; everything else is the real compiler pipeline.
 """
 
 from __future__ import annotations

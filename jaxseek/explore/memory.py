@@ -360,9 +360,10 @@ def _activations(cfg: Config, runs: list[tuple], head: int, platform: str) -> di
           "moe_dispatch": 2 * biggest[2]}
 
 
-RAGGED_BUFFERS = ("token copies sorted by expert", "copies packed as float8 + scales", "rows received (float8 + scales)",
-                  "rows received", "rows received, dequantised", "expert outputs", "results returned",
-                  "dispatch rows packed as float8 + scales")
+# the dispatch's exchanged rows, which no remat policy keeps (memory.dispatch_tensors)
+RAGGED_BUFFERS = ("token copies sorted by expert", "copies packed as float8 + scales",
+                  "rows received (float8 + scales)", "rows received", "rows received, dequantised", "expert outputs",
+                  "results returned", "dispatch rows packed as float8 + scales")
 
 
 def kept_copies(t: Tensor, policy: str) -> int:
