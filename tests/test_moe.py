@@ -490,3 +490,14 @@ def test_dispatch_kind_is_ragged_on_accelerators_and_refused_on_cpu():
     kernels.dispatch_kind("ragged", "cpu")
   with pytest.raises(UserError, match="model.moe_dispatch: ragged"):
     moe_layer("model.moe_dispatch=ragged")
+
+
+def test_dispatch_summary_gives_the_rows_one_layer_moves_per_device():
+  cfg = load_config("tiny-v3", "mesh.data=2", "mesh.expert=4")  # 16 sequences of 24 over 8 shards: x = 48
+  sizes = cfg.mesh.sizes() | {"data": 2}
+  assert "fixed all_to_all over expert=4, 4 × 96 = 384 rows per device for K·x = 96" in \
+      kernels.dispatch_summary(cfg, sizes, "cpu")
+  line = kernels.dispatch_summary(load_config("tiny-v3", "mesh.data=2", "mesh.expert=4",
+                                              "model.moe_dispatch_dtype=float8_e4m3fn"), sizes, "gpu")
+  assert "ragged_all_to_all over expert=4" in line and "receive buffer of 192 rows" in line, line
+  assert "dropless from 4" in line and "float8_e4m3fn rows with float32 scales" in line, line

@@ -61,6 +61,35 @@ def test_dense_gqa_model_runs_the_attention_kernel():
   assert got["total_bytes"] / GIB <= H200_BUDGET_GIB
 
 
+# bench-v3-1b with 4 layers, batch 8 of 1024 tokens on expert=8: x = 1024 tokens and K·x = 4096 token copies per
+# device; the fixed dispatch's all_to_alls carry bf16[8, 4096, 2048] (32,768 rows) each, temp 3.99 GiB
+EXPERT8 = ("model.num_hidden_layers=4", "train.seq_len=1024", "train.batch_size=8", "mesh.expert=8")
+COPIES, FIXED_TEMP_GIB = 4 * 1024, 3.99
+FIXED_SLOTS = re.compile(r"(?<!ragged-)all-to-all-start(?:\.\d+)? = \(\((bf16|u8)\[")  # token rows by all_to_all
+RAGGED = re.compile(r"ragged-all-to-all-start(?:\.\d+)? = \(\((\w+)\[(\d+),(\d+)\]\{[\d,]*\}, \w+\[(\d+),\d+\]")
+
+
+@pytest.mark.parametrize("dtype", ["null", "float8_e4m3fn"])
+def test_ragged_dispatch_sends_the_routed_copies_into_a_receive_buffer_of_f_copies(dtype):
+  """On GPU, auto dispatch is ragged_all_to_all: the token side of every exchange holds K·x rows (the fixed path:
+  P·C = 32,768), the expert side R = moe_recv_factor · K·x, nothing E-sized is all_to_all'd, temp memory falls.
+  FP8 dispatch sends u8 rows of D + 4·D/128 bytes (e4m3 and the float32 scales) and returns bf16 rows."""
+  got = compile_bench("bench-v3-1b", *EXPERT8, f"model.moe_dispatch_dtype={dtype}")
+  f = config_lib.ModelConfig.moe_recv_factor
+  D = 2048
+  ops = [(kind, int(rows_in), int(cols), int(rows_out)) for kind, rows_in, cols, rows_out in RAGGED.findall(got["hlo"])]
+  assert len(ops) >= 4, ops  # out and back, in the forward and the backward
+  for kind, rows_in, cols, rows_out in ops:
+    assert min(rows_in, rows_out) <= 1.25 * COPIES and max(rows_in, rows_out) <= f * COPIES, ops
+  outward = {(kind, cols) for kind, rows_in, cols, rows_out in ops if rows_in < rows_out}
+  if dtype == "null":
+    assert outward == {("bf16", D)}
+  else:
+    assert ("u8", D + 4 * D // 128) in outward and all(k != "u8" for k, _, _, r in ops if r == COPIES), ops
+  assert not FIXED_SLOTS.search(got["hlo"])
+  assert got["temp_bytes"] / GIB < FIXED_TEMP_GIB
+
+
 def test_explore_cli_compiles_for_two_hosts_of_four(tmp_path):
   """python -m jaxseek.explore --compile --target h200 on 2 hosts x 4 GPUs: per-device figures and collectives."""
   out = tmp_path / "plan.json"
@@ -71,5 +100,5 @@ def test_explore_cli_compiles_for_two_hosts_of_four(tmp_path):
   compiled = json.loads(out.read_text())["compiled"]
   assert (compiled["devices"], compiled["hosts"], compiled["target"]) == (8, 2, "h200")
   assert compiled["temp_bytes"] > 0 and compiled["argument_bytes"] > 0
-  assert "all-to-all" in compiled["collectives"]  # expert-parallel dispatch
+  assert "ragged-all-to-all" in compiled["collectives"]  # expert-parallel dispatch (auto: ragged on GPU)
   assert "Kernels in the compiled module" in run.stdout
