@@ -389,3 +389,21 @@ def test_a_batch_only_the_data_axes_divide_trains_on_a_pipeline(schedule):
   line = pipeline.summary(load_config("tiny-dense", *mesh), 2, sizes)
   assert "train.batch_size=6 is not divisible by pipeline x data x fsdp x expert = 4" in line
   assert "split over data x fsdp x expert = 2 only" in line
+
+
+def test_weights_outside_the_stack_enter_the_schedule_in_the_compute_dtype():
+  """The schedule gathers the matrices the model casts at use in bfloat16; the router and the norm scales, which
+  the model reads in float32, stay float32."""
+  from flax import nnx
+
+  from jaxseek import model as model_lib
+  from jaxseek import objective
+
+  cfg = load_config("tiny-v3", "model.num_nextn_predict_layers=1")
+  params = nnx.state(nnx.eval_shape(lambda: model_lib.build(cfg.model, seed=0, param_dtype="float32",
+                                                              dtype="bfloat16")), nnx.Param)
+  cast = jax.eval_shape(lambda p: objective.as_computed(p, "bfloat16"), params)
+  kinds = {jax.tree_util.keystr(path): a.dtype.name for path, a in jax.tree_util.tree_leaves_with_path(cast)}
+  assert {d for k, d in kinds.items() if "table_VD" in k or "head_DV" in k} == {"bfloat16"}
+  assert all(d == "float32" for k, d in kinds.items() if "router" in k or "scale_D" in k)
+  assert any("router" in k for k in kinds) and sum(d == "bfloat16" for d in kinds.values()) > len(kinds) // 2
