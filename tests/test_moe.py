@@ -488,8 +488,9 @@ def test_dispatch_kind_is_ragged_on_accelerators_and_refused_on_cpu():
   assert kernels.dispatch_kind("fixed", "gpu") == "fixed"
   with pytest.raises(UserError, match="model.moe_dispatch: ragged needs ragged-all-to-all.*cpu; use auto or fixed"):
     kernels.dispatch_kind("ragged", "cpu")
+  layer, x_BTD = moe_layer("model.moe_dispatch=ragged")  # built anywhere (the explorer plans on CPU), run: refused
   with pytest.raises(UserError, match="model.moe_dispatch: ragged"):
-    moe_layer("model.moe_dispatch=ragged")
+    call(layer, x_BTD, None)
 
 
 def test_dispatch_summary_gives_the_rows_one_layer_moves_per_device():

@@ -554,7 +554,6 @@ class MoE(nnx.Module):
                       f"for dropless dispatch")
     self.capacity_factor = cfg.moe_capacity_factor
     self.matmul = cfg.moe_matmul
-    kernels.dispatch_kind(cfg.moe_dispatch)  # refused now where it cannot run, not while tracing
     self.dispatch, self.recv_factor = cfg.moe_dispatch, cfg.moe_recv_factor
     self.fp8_dispatch = cfg.moe_dispatch_dtype == "float8_e4m3fn"
     self.dtype = dtype
