@@ -459,7 +459,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w_down_EMD, routing: Routing,
                    capacity_factor: float | None = None, fp8_inputs: bool = False, matmul: str = "auto",
-                   dispatch: str = "auto", recv_factor: float = 2.0, fp8_dispatch: bool = False):
+                   moe_dispatch: str = "auto", recv_factor: float = 2.0, fp8_dispatch: bool = False):
   """Routing and expert computation on every token shard inside `jax.shard_map`, experts split on `expert`.
 
   Only the statistics and the expert-axis dispatch cross shards: expert loads and dropped copies are summed
@@ -467,7 +467,7 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   all-reduced. Returns y [B, T, D], load [E] (tokens per expert over the global batch), balance loss per
   sequence [B], dropped (token copies over capacity, summed over the global batch) [].
   `fp8_inputs`: the tokens the experts see are rounded to FP8 (1×128 tiles); the router sees them unrounded.
-  `matmul`: the grouped matmul (model.moe_matmul); `dispatch`, `recv_factor`, `fp8_dispatch`: model.moe_dispatch,
+  `matmul`: the grouped matmul (model.moe_matmul); `moe_dispatch`, `recv_factor`, `fp8_dispatch`: model.moe_dispatch,
   model.moe_recv_factor, model.moe_dispatch_dtype=float8_e4m3fn.
   """
   mesh = rules.has_mesh()
@@ -475,7 +475,7 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   tensor_axes, expert_axes = rules.mesh_axes("expert_mlp"), rules.mesh_axes("experts")
   shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in expert_axes) if mesh else 1
   psum = lambda x, axes: jax.lax.psum(x, axes) if mesh and axes else x
-  ragged = kernels.dispatch_kind(dispatch) == "ragged" and shards > 1
+  ragged = kernels.dispatch_kind(moe_dispatch) == "ragged" and shards > 1
 
   def local(x_btD, valid_bt, w_router_DE, bias_E, w_gate_eDm, w_up_eDm, w_down_emD):
     b, t, D = x_btD.shape
