@@ -472,7 +472,8 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   """
   mesh = rules.has_mesh()
   batch_axes, length_axes = rules.mesh_axes("batch"), rules.mesh_axes("length")
-  tensor_axes, expert_axes = rules.mesh_axes("expert_mlp"), rules.mesh_axes("experts")
+  # the expert axes an enclosing shard_map handles by hand (gradsum's) count too: the weights arrive as their block
+  tensor_axes, expert_axes = rules.mesh_axes("expert_mlp"), rules.split_axes("experts")
   shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in expert_axes) if mesh else 1
   psum = lambda x, axes: jax.lax.psum(x, axes) if mesh and axes else x
   ragged = kernels.dispatch_kind(moe_dispatch) == "ragged" and shards > 1
@@ -517,7 +518,10 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   # Under the vmap over data shards of train.grad_compression (spmd_axis_name="data"), JAX's varying-axes check
   # counts the per-shard values as varying over data, which no spec here may name: the check is off there. It is
   # off for tokamax's kernels too, whose backward gives weight gradients without varying-axes types.
-  check = not rules.reserved_axes() and kernels.matmul_kind(matmul, dtype=w_gate_EDM.dtype) not in kernels.GPU_MATMUL
+  # Off too inside gradsum's shard_map manual over `expert` (its values vary there without a type that says so).
+  outer = set(jax.sharding.get_abstract_mesh().manual_axes) & set(expert_axes)
+  check = not rules.reserved_axes() and not outer and \
+      kernels.matmul_kind(matmul, dtype=w_gate_EDM.dtype) not in kernels.GPU_MATMUL
   return jax.shard_map(local, in_specs=(tokens, seqs, replicated, replicated, w_in, w_in, w_out),
                        out_specs=(tokens, replicated, rules.activation_spec(("batch",)), replicated),
                        check_vma=check)(*args)

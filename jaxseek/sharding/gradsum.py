@@ -39,6 +39,8 @@ def axes(cfg: config_lib.Config, sizes: dict[str, int]) -> tuple[str, ...]:
     out.append("data")
   if cfg.train.zero == 1 and sizes.get("fsdp", 1) > 1:
     out.append("fsdp")
+  if sizes.get("expert", 1) > 1:
+    out.append("expert")
   return tuple(out)
 
 

@@ -174,6 +174,13 @@ def mesh_axes(name: str, rules: Rules = ACTIVATION_RULES) -> tuple[str, ...]:
   return _automatic(rules).get(name, ())
 
 
+def split_axes(name: str) -> tuple[str, ...]:
+  """The mesh axes a logical activation axis is split over, those an enclosing shard_map already handles by hand
+  included (a collective inside may name them; `mesh_axes` leaves them out, for specs): the enclosing vmap's
+  axes stay out."""
+  return tuple(a for a in activation_rules().get(name, ()) if a not in _RESERVED.get())
+
+
 def has_mesh() -> bool:
   return not jax.sharding.get_abstract_mesh().empty
 
