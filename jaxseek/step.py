@@ -106,6 +106,7 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> Non
   kinds = {kernels.attention_kind(m.attention_impl, cfg.train.seq_len, where, cfg.train.compute_dtype)}
   if m.is_moe:
     kinds.add(kernels.matmul_kind(m.moe_matmul, where, cfg.train.compute_dtype))
+    kernels.dispatch_kind(m.moe_dispatch, where)  # ragged needs ragged-all-to-all (not on XLA:CPU)
   if kinds & (set(kernels.GPU_ATTENTION) | set(kernels.GPU_MATMUL)):
     kernels.tokamax_module()
   why = remat_lib.check_backend(cfg.train.remat, platform)

@@ -63,6 +63,8 @@ BAD_INPUT = [
     (["model.moe_matmul=tokamax"], "model.moe_matmul: tokamax is a GPU kernel but the mesh's devices are cpu",
      "blocked"),
     (["model.attention_impl=mosaic"], "model.attention_impl: mosaic is a GPU kernel", "blocked"),
+    (["model.moe_dispatch=ragged"], "model.moe_dispatch: ragged needs ragged-all-to-all, which XLA does not "
+     "implement on cpu", "use auto or fixed"),
     (["model.moe_recv_factor=0"], "config key model.moe_recv_factor: 0.0 must be > 0", "dropless"),
     (["model.moe_dispatch_dtype=float16"], "config key model.moe_dispatch_dtype: 'float16' is not one of",
      "'float8_e4m3fn'"),

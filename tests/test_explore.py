@@ -349,13 +349,14 @@ def test_ragged_dispatch_bytes_equal_a_hand_count():
   """tiny-v3 on expert 4 × data 2, one microbatch, no remat, float8 dispatch, 2 GPUs a node. A device holds
   x = 16·24 / 8 = 48 tokens and sends J = K·x = 96 copies, 3/4 of them to other shards: per MoE layer the
   forward sends them as float8 rows (40 bytes + one float32 scale) and gets the float32 results back; the
-  backward sends both gradients in float32; before the forward each device all-gathers the 8 experts' counts
-  of the 3 others. 2 MoE layers. Of the copies that leave, 1/3 go to the one other shard of the node."""
+  backward sends the results' gradients to the experts as float8 rows too and gets the rows' gradients back in
+  float32; before the forward each device all-gathers the 8 experts' counts of the 3 others. 2 MoE layers. Of
+  the copies that leave, 1/3 go to the one other shard of the node."""
   cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn")
   hw = explore.hardware("h100-80g", devices_per_node=2)
   plan = explore.plan(explore.describe(cfg), sizes_of("e4d2"), hw)
   leaving, row_fp8, row_f32 = 96 * 3 // 4, 40 + 4, 40 * 4
-  per_layer = leaving * (row_fp8 + row_f32) + leaving * 2 * row_f32 + 3 * 8 * 4
+  per_layer = 2 * leaving * (row_fp8 + row_f32) + 3 * 8 * 4
   dispatch = plan["expert_dispatch"]
   assert (dispatch["kind"], dispatch["rows_sent"], dispatch["rows_received"]) == ("ragged", 96, 192)  # R = 2·J
   assert dispatch["bytes_total"] == 2 * per_layer

@@ -132,7 +132,7 @@ def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
       if table:  # inside the schedule per microbatch on the stage that runs it, whole on pipeline
         role, used = ex.outer_role(cfg, leaf.stack, S), full
         grad = full // leaf.itemsize * 4  # accumulated in float32 through the schedule
-        pipe["gather"] += f * full if split else 0
+        pipe["gather"] += f * full // leaf.itemsize * ex.gathered_itemsize(cfg, leaf) if split else 0
         pipe["scatter"] += f * grad if split else 0
         pipe["reduce"] += 0 if split else 2 * f * grad
       else:  # GPipe: outside the schedule, once on the whole batch, data-parallel over the stages
@@ -254,8 +254,9 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
     n = runs * layers
     forward = group_passes - 1  # forward passes (and recomputations), then one backward
     t["runs"] += n
-    # forward: rows out (dispatch dtype), results back; backward: their gradients, both in the compute dtype
-    t["out"] += n * d.sent * leave * (forward * d.out_row_bytes + d.back_row_bytes)
+    # towards the experts in the dispatch dtype: the rows in each forward, the results' gradients in the backward
+    # (moe.dispatch's fp8_out and fp8_back); back from them in the compute dtype: results, the rows' gradients
+    t["out"] += n * group_passes * d.sent * leave * d.out_row_bytes
     t["back"] += n * group_passes * d.sent * leave * d.back_row_bytes
     t["ideal"] += n * group_passes * d.tokens * K * leave * (em.packed_row_bytes(D) + 2 * D)
     if d.kind == "fixed":

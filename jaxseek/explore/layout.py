@@ -191,6 +191,15 @@ def outer_role(cfg: Config, stack: str | None, pipeline: int) -> str:
   return "first" if stack in before else "last"
 
 
+def gathered_itemsize(cfg: Config, leaf: Leaf) -> int:
+  """Bytes per element of an outer weight as a table schedule gathers it (objective.as_computed): the compute
+  dtype for matrices but the router's, the leaf's own dtype for vectors (norm scales) and the router."""
+  from jaxseek.explore import memory as em
+
+  matrix = len([n for n in leaf.names if n != "layers"]) >= 2
+  return em.ITEMSIZE[cfg.train.compute_dtype] if matrix and "router" not in leaf.path else leaf.itemsize
+
+
 def over_stages(leaf: Leaf) -> bool:
   """Whether a leaf placed by `leaves_on` is split over `pipeline` on a dimension other than its layers."""
   return any("pipeline" in axes for axes, name in zip(leaf.axes, leaf.names) if name != "layers")

@@ -148,8 +148,9 @@ class Dispatch:
   ragged  an all_gather of the copy counts per expert (E int32), then ragged_all_to_all of exactly the x·K
           token copies, received into R = ⌈f·x·K⌉ rows (f = model.moe_recv_factor, at most P·C); the results
           come back the same way
-  Rows go out in the dispatch dtype (model.moe_dispatch_dtype: float8 e4m3 packs each row as D bytes and a
-  float32 scale per 128 channels) and come back in the compute dtype, as do the backward's gradients.
+  Rows towards the experts go in the dispatch dtype (model.moe_dispatch_dtype: float8 e4m3 packs each row as D
+  bytes and a float32 scale per 128 channels): the tokens in the forward, the gradients of the expert outputs in
+  the backward; rows back from the experts (results, the tokens' gradients) in the compute dtype.
   """
 
   kind: str  # "fixed" or "ragged"
@@ -385,7 +386,7 @@ def kept_copies(t: Tensor, policy: str) -> int:
 
 def outer_whole(model: ex.Model, sizes: dict[str, int]) -> tuple[int, int]:
   """The weights outside the pipelined stack held whole on a stage for the step: those split over `pipeline`
-  (`rules.param_spec`) gathered in the parameter dtype; and their whole gradients: under a table schedule
+  (`rules.param_spec`) gathered (under a table schedule in the compute dtype, `layout.gathered_itemsize`); and their whole gradients: under a table schedule
   every outer weight's, accumulated in float32 through the schedule (summed over the stages after it), under
   GPipe those of the split ones before their reduce-scatter (parameter dtype). Returns (gathered bytes,
   gradient bytes); with fsdp > 1 the embedding and head are left to `gathered_weights`, which counts them."""
@@ -401,7 +402,8 @@ def outer_whole(model: ex.Model, sizes: dict[str, int]) -> tuple[int, int]:
       continue
     nbytes = ex.leaf_bytes(leaf, whole, ex.on_stage(leaf, 0, stages))
     split = ex.over_stages(leaf)
-    gathered += nbytes if split else 0
+    cast = ex.gathered_itemsize(cfg, leaf) if table else leaf.itemsize
+    gathered += nbytes // leaf.itemsize * cast if split else 0
     if leaf.kind == "params" and table:
       gradients += nbytes // leaf.itemsize * 4
     elif leaf.kind == "params" and split:

@@ -307,9 +307,9 @@ def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD,
       return a
     return jax.lax.all_to_all(a.reshape(shards, cap, *a.shape[1:]), axes, 0, 0).reshape(a.shape)
 
-  y_RD = experts_local(dispatch(exchange, exchange, send_RD, (), fp8_dispatch), exchange(local_R)[:, None],
+  y_RD = experts_local(dispatch(exchange, exchange, send_RD, (), fp8_out=fp8_dispatch), exchange(local_R)[:, None],
                        jnp.ones((rows, 1), jnp.float32), w_gate_eDm, w_up_eDm, w_down_emD, matmul, padded=True)
-  y_JD = exchange(y_RD).at[slot_J].get(mode="fill", fill_value=0)
+  y_JD = dispatch(exchange, exchange, y_RD, (), fp8_back=fp8_dispatch).at[slot_J].get(mode="fill", fill_value=0)
   weights_KX = weights_XK.T.astype(y_JD.dtype)
   y_XD = jnp.einsum("KXD,KX->XD", y_JD.reshape(K, X, D), weights_KX)
   return y_XD, (slot_J < rows).reshape(K, X)
@@ -387,9 +387,9 @@ def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_do
     return exchange(a, _buffer(a, J), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
                     plan.send_sizes_E, axis_name=axes)
 
-  recv_RD = dispatch(send, back, x_XD[order_J % X], plan, fp8_dispatch)
+  recv_RD = dispatch(send, back, x_XD[order_J % X], plan, fp8_out=fp8_dispatch)
   y_RD = expert_ffn(recv_RD, plan.group_sizes_e, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
-  back_JD = dispatch(back, send, y_RD, plan)  # rows of dropped copies stay zero
+  back_JD = dispatch(back, send, y_RD, plan, fp8_back=fp8_dispatch)  # rows of dropped copies stay zero
   position_J = jnp.zeros((J,), jnp.int32).at[order_J].set(jnp.arange(J, dtype=jnp.int32))
   weights_KX = weights_XK.T.astype(back_JD.dtype)
   y_XD = jnp.einsum("KXD,KX->XD", back_JD[position_J].reshape(K, X, D), weights_KX)
@@ -423,19 +423,29 @@ def _buffer(a: jax.Array, n: int) -> jax.Array:
   return jnp.zeros((n, *a.shape[1:]), a.dtype) + _zero(a).astype(a.dtype)
 
 
-def dispatch(send: Callable, back: Callable, x_ND: jax.Array, plan, fp8_dispatch: bool = False) -> jax.Array:
+def dispatch(send: Callable, back: Callable, x_ND: jax.Array, plan, fp8_out: bool = False,
+             fp8_back: bool = False) -> jax.Array:
   """send(x, plan), whose transpose is back(dy, plan) (the gradient goes back by it without JAX's own transpose
-  rule, which would all_to_all the ragged offsets again). `fp8_dispatch`: the rows travel as e4m3 with a float32
-  scale per 1×128 tile beside each, dequantised to x's dtype on arrival; the gradient passes straight through the
-  rounding and goes back in x's dtype."""
-  return _dispatch(send, back, fp8_dispatch, x_ND, plan)
+  rule, which would all_to_all the ragged offsets again). `fp8_out` / `fp8_back`: the rows of the forward / the
+  backward exchange travel as e4m3 with a float32 scale per 1×128 tile beside each, dequantised to their dtype on
+  arrival; the gradient passes straight through the rounding. DeepSeek-V3's FP8 dispatch is both directions
+  that carry rows to the experts: the tokens in the forward (the dispatch's fp8_out), the gradients of the
+  expert outputs in the backward (the combine's fp8_back); what comes back from the experts stays in the compute
+  dtype."""
+  return _dispatch(send, back, fp8_out, fp8_back, x_ND, plan)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _dispatch(send, back, fp8_dispatch, x_ND, plan):
-  if not fp8_dispatch:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _dispatch(send, back, fp8_out, fp8_back, x_ND, plan):
+  return _exchange(send, x_ND, plan, fp8_out)
+
+
+def _exchange(send: Callable, x_ND: jax.Array, plan, fp8_rows: bool) -> jax.Array:
+  """send(x, plan), the rows as e4m3 and their scales in one exchange of bytes [N, D + 4·⌈D/128⌉] when
+  `fp8_rows`."""
+  if not fp8_rows:
     return send(x_ND, plan)
-  q_ND, scale_NT = fp8.to_e4m3_tiles(x_ND)  # one exchange of bytes [N, D + 4·⌈D/128⌉]: row, then its scales
+  q_ND, scale_NT = fp8.to_e4m3_tiles(x_ND)
   N, D = x_ND.shape
   T = scale_NT.shape[1]
   packed = jnp.concatenate([jax.lax.bitcast_convert_type(q_ND, jnp.uint8),
@@ -446,12 +456,12 @@ def _dispatch(send, back, fp8_dispatch, x_ND, plan):
   return fp8.from_e4m3_tiles(q_MD, scale_MT, x_ND.dtype)
 
 
-def _dispatch_fwd(send, back, fp8_dispatch, x_ND, plan):
-  return _dispatch(send, back, fp8_dispatch, x_ND, plan), plan
+def _dispatch_fwd(send, back, fp8_out, fp8_back, x_ND, plan):
+  return _dispatch(send, back, fp8_out, fp8_back, x_ND, plan), plan
 
 
-def _dispatch_bwd(send, back, fp8_dispatch, plan, dy_MD):
-  return back(dy_MD, plan), jax.tree.map(lambda _: None, plan)
+def _dispatch_bwd(send, back, fp8_out, fp8_back, plan, dy_MD):
+  return _exchange(back, dy_MD, plan, fp8_back), jax.tree.map(lambda _: None, plan)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
