@@ -113,3 +113,32 @@ def test_step_compiles_once(monkeypatch):
       state, _ = step_fn(state, next(batches))
   assert len(traces) == 1
   assert step_fn._cache_size() == 1
+
+
+def gradient_sums(*overrides):
+  """Bytes per device per step of the all-reduces over batch axes in the compiled step, each loop body weighted
+  by its trip count, by the axes they span."""
+  from jaxseek.explore import compile as explore_compile
+
+  cfg = load_config("tiny-v3", *overrides)
+  mesh = make_mesh(cfg)
+  trainer = step_lib.make_trainer(cfg, mesh)
+  with jax.set_mesh(mesh):
+    text = step_lib.compile_step(trainer, cfg, mesh).lower(
+        trainer.abstract_state, explore_compile.abstract_batch(cfg, mesh)).compile().as_text()
+  sums = explore_compile.collective_bytes(text, tuple(mesh.devices.shape)).get("all-reduce", {})
+  return {axes: b for axes, b in sums.items() if set(axes.split("+")) & {"data", "expert"}}
+
+
+@pytest.mark.parametrize("mesh, micro", [
+    (("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"), (1, 4)),
+    (("mesh.pipeline=2", "mesh.data=2", "mesh.expert=2", "model.num_hidden_layers=5",
+      "train.pipeline_schedule=1f1b"), (2, 4)),
+], ids=["d2e2t2-accumulated", "p2d2e2-1f1b"])
+def test_gradients_are_summed_over_data_and_expert_once_per_step(mesh, micro):
+  """More microbatches (a longer scan, more schedule ticks) add no gradient all-reduce over data or expert: the
+  sums follow the loop (sharding/gradsum.py)."""
+  few, many = (gradient_sums(*mesh, "train.batch_size=16", f"train.microbatches={m}") for m in micro)
+  assert few and few.keys() == many.keys()
+  for axes in few:
+    assert many[axes] == pytest.approx(few[axes], rel=0.01), (axes, few, many)

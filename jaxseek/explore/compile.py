@@ -149,3 +149,50 @@ def _iota(text: str) -> np.ndarray:
   if match.group(2):
     ids = ids.transpose([int(x) for x in match.group(2).split(",")])
   return ids.reshape(-1)
+
+
+def collective_bytes(text: str, mesh_shape: tuple[int, ...]) -> dict[str, dict[str, float]]:
+  """{collective: {mesh axes it spans: bytes per device per step}} of a compiled module: each collective's
+  result (an async start's output element) times how often its computation runs (`overlap.weights`: loop
+  bodies by their trip counts, so a reduction inside the microbatch loop counts once per microbatch)."""
+  from jaxseek.explore import overlap
+
+  module, entry = overlap.parse(text)
+  runs = overlap.weights(module, entry)
+  out: dict[str, dict[str, float]] = {}
+  for name, instructions in module.items():
+    for instruction in instructions:
+      op = instruction["opcode"]
+      kind = op if op in overlap.KINDS else overlap.collective_kind(module, instruction)
+      if kind is None or runs.get(name, 0) == 0:
+        continue
+      type_ = instruction["type"]
+      if op != kind:  # an async start: (operands, output, ...) or (operand, output): the output
+        type_ = _tuple_elements(type_)[1] if type_.startswith("(") else type_
+      attrs = instruction["attrs"]
+      if op == "async-start":  # the groups are on the wrapped collective
+        attrs = " ".join(i["attrs"] for key, callee in overlap.callees(instruction) for i in module.get(callee, []))
+      axes = collective_axes(attrs, mesh_shape)
+      label = "?" if axes is None else "+".join(axes) if axes else "-"
+      out.setdefault(kind, {})
+      out[kind][label] = out[kind].get(label, 0.0) + runs[name] * overlap.array_bytes(type_)
+  return out
+
+
+def _tuple_elements(type_: str) -> list[str]:
+  """The top-level elements of an HLO tuple type "(a, (b, c), d)"."""
+  depth, start, out = 0, 1, []
+  for i, ch in enumerate(type_):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      out.append(type_[start:i].strip())
+      start = i + 1
+  return out
+
+
+def gradient_reduction_bytes(collectives: dict[str, dict[str, float]]) -> float:
+  """All-reduce and reduce-scatter bytes per device per step over groups that span a batch axis (the gradient
+  sums; tensor-parallel partial sums span `tensor` alone)."""
+  batch = ("pipeline", "data", "fsdp", "expert", "context")
+  return sum(b for kind in ("all-reduce", "reduce-scatter") for axes, b in collectives.get(kind, {}).items()
+             if any(a in batch for a in axes.split("+")))

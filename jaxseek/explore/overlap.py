@@ -92,7 +92,7 @@ def array_bytes(type_: str) -> int:
   return total
 
 
-def _callees(instruction: dict[str, Any]) -> list[tuple[str, str]]:
+def callees(instruction: dict[str, Any]) -> list[tuple[str, str]]:
   attrs = instruction["attrs"]
   found = [(key, name) for key, name in _CALLED.findall(attrs)]
   for group in _BRANCHES.findall(attrs):
@@ -108,7 +108,7 @@ def weights(module: dict[str, list[dict[str, Any]]], entry: str) -> dict[str, in
     caller = stack.pop()
     for instruction in module.get(caller, []):
       trips = _TRIP.search(instruction["attrs"])
-      for key, callee in _callees(instruction):
+      for key, callee in callees(instruction):
         if callee not in module or instruction["opcode"] == "async-start":
           continue  # an async wrapper's computation is its start / done pair, counted there
         n = out[caller] * (int(trips.group(1)) if trips and key in ("body", "condition") else 1)
@@ -129,17 +129,17 @@ def _is_compute(module, instruction: dict[str, Any], memo: dict[str, bool]) -> b
   if instruction["opcode"] in COMPUTE:
     return True
   if instruction["opcode"] in CALLERS:
-    return any(_launches(module, callee, memo) for key, callee in _callees(instruction) if key != "condition")
+    return any(_launches(module, callee, memo) for key, callee in callees(instruction) if key != "condition")
   return False
 
 
-def _kind(module, instruction: dict[str, Any]) -> str | None:
+def collective_kind(module, instruction: dict[str, Any]) -> str | None:
   """The collective an async start begins ("all-gather" for all-gather-start; the wrapped op of async-start)."""
   op = instruction["opcode"]
   if op.endswith("-start") and op[:-len("-start")] in KINDS:
     return op[:-len("-start")]
   if op == "async-start":
-    for key, callee in _callees(instruction):
+    for key, callee in callees(instruction):
       for inner in module.get(callee, []) if key == "calls" else []:
         if inner["opcode"] in KINDS:
           return inner["opcode"]
@@ -162,7 +162,7 @@ def overlap(text: str) -> dict[str, dict[str, float]]:
       continue
     for k, instruction in enumerate(instructions):
       row = None
-      kind = _kind(module, instruction)
+      kind = collective_kind(module, instruction)
       if kind is not None:
         done = next((j for j in range(k + 1, len(instructions)) if instructions[j]["opcode"].endswith("-done")
                      and _operand_names(instructions[j]) & {instruction["name"]}), None)
