@@ -7,12 +7,14 @@ and accumulates the gradients of its own rows unreduced, and one `psum` after th
 DDP's `no_sync`, Megatron's distributed optimizer and DeepSpeed do at the accumulation boundary.
 
   data   always (when > 1): no parameter is split there
+  expert always (when > 1): the expert weights enter as their block (their gradients are summed over data
+         only); the MoE dispatch's collectives name the enclosing manual axis (rules.split_axes)
   fsdp   with train.zero=1 only (parameters whole on fsdp; the optimiser state's fsdp split takes its slice of
          the sum). Under ZeRO-3 (train.zero=3) parameters are split on fsdp and gathered per layer, so their
          gradients are reduce-scattered per microbatch: that is inherent to ZeRO-3 and stays.
 
-Other axes keep XLA's per-microbatch reduction: expert (the MoE dispatch is a shard_map over it), context (ring
-attention is a shard_map over it), tensor (splits weights, not the batch). With train.grad_compression the
+Other axes keep XLA's per-microbatch reduction: context (ring attention is a shard_map over it), tensor (splits
+weights, not the batch). With train.grad_compression the
 data-axis sum is already once per step (a vmap over the data shards, sharding/compression.py).
 
 The objective's normalisers (token counts, the balance divisor) come from the whole batch, so the sum of the
@@ -52,7 +54,7 @@ def summary(cfg: config_lib.Config, sizes: dict[str, int]) -> str:
     parts.append(f"data={sizes['data']} summed once per step compressed ({cfg.train.grad_compression})")
   if sizes.get("fsdp", 1) > 1 and "fsdp" not in summed:
     parts.append(f"fsdp={sizes['fsdp']} reduce-scattered per microbatch (ZeRO-3)")
-  per_micro = [f"{a}={sizes[a]}" for a in ("expert", "context") if sizes.get(a, 1) > 1 and a not in summed]
+  per_micro = [f"{a}={sizes[a]}" for a in ("context",) if sizes.get(a, 1) > 1 and a not in summed]
   if per_micro:
     parts.append(f"{', '.join(per_micro)} all-reduced per microbatch for the weights replicated there")
   return "gradients: " + ("; ".join(parts) if parts else "one device group, nothing to sum")
