@@ -35,7 +35,7 @@ from jaxseek import config as config_lib
 def axes(cfg: config_lib.Config, sizes: dict[str, int]) -> tuple[str, ...]:
   """The batch axes whose gradient sum runs once per step, in mesh order."""
   if cfg.train.grad_compression != "none" and sizes.get("data", 1) > 1:
-    return ()  # the compressed exchange sums over data once per step itself, and owns the data axis
+    return ()  # the compressed exchange sums over data once per step itself (expert then sums per microbatch)
   out = []
   if sizes.get("data", 1) > 1:
     out.append("data")
@@ -54,7 +54,7 @@ def summary(cfg: config_lib.Config, sizes: dict[str, int]) -> str:
     parts.append(f"data={sizes['data']} summed once per step compressed ({cfg.train.grad_compression})")
   if sizes.get("fsdp", 1) > 1 and "fsdp" not in summed:
     parts.append(f"fsdp={sizes['fsdp']} reduce-scattered per microbatch (ZeRO-3)")
-  per_micro = [f"{a}={sizes[a]}" for a in ("context",) if sizes.get(a, 1) > 1 and a not in summed]
+  per_micro = [f"{a}={sizes[a]}" for a in ("expert", "context") if sizes.get(a, 1) > 1 and a not in summed]
   if per_micro:
     parts.append(f"{', '.join(per_micro)} all-reduced per microbatch for the weights replicated there")
   return "gradients: " + ("; ".join(parts) if parts else "one device group, nothing to sum")
