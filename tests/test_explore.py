@@ -472,3 +472,17 @@ def test_overlap_of_async_collectives_in_a_scheduled_module():
          for kind, r in overlap.overlap(HLO).items()}
   assert got == {"all-gather": (3, 3, 3, 3 * 32), "all-reduce": (4, 3, 0, 0), "all-to-all": (3, 3, 3, 3 * 32),
                  "collective-permute": (3, 3, 0, 0)}
+
+
+def test_collective_bytes_weigh_loop_bodies_by_their_trip_count():
+  """The same module: per step, 3 all-gathers of f32[8] (the start's output element, not its operand), 3
+  all-reduces in the loop and 1 after it, 3 wrapped all-to-alls, over devices {0, 1} (the `pipeline` axis of a
+  mesh of 2), and 3 collective-permutes without pairs (axes unknown: "?")."""
+  from jaxseek.explore import compile as explore_compile
+
+  got = explore_compile.collective_bytes(HLO, (2, 1, 1, 1, 1, 1))
+  assert got == {"all-gather": {"pipeline": 3 * 32}, "all-reduce": {"pipeline": 4 * 32},
+                 "all-to-all": {"pipeline": 3 * 32}, "collective-permute": {"?": 3 * 32}}
+  assert explore_compile.gradient_reduction_bytes(got) == 4 * 32
+  assert explore_compile._tuple_elements("(bf16[1,24]{1,0}, (f32[2]{0}, s32[]), u32[])") == \
+      ["bf16[1,24]{1,0}", "(f32[2]{0}, s32[])", "u32[]"]

@@ -183,7 +183,7 @@ def _tuple_elements(type_: str) -> list[str]:
   """The top-level elements of an HLO tuple type "(a, (b, c), d)"."""
   depth, start, out = 0, 1, []
   for i, ch in enumerate(type_):
-    depth += {"(": 1, ")": -1}.get(ch, 0)
+    depth += {"(": 1, ")": -1, "{": 1, "}": -1, "[": 1, "]": -1}.get(ch, 0)
     if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
       out.append(type_[start:i].strip())
       start = i + 1
