@@ -48,7 +48,7 @@ def test_mla_gathers_the_latent_not_the_heads():
                                                           next(global_batches(cfg, mesh))).compile().as_text()
   sizes = tuple(mesh.shape[a] for a in MESH_AXES)
   found = {"all-gather": set(), "reduce-scatter": set(), "all-reduce": set()}
-  for line in text.splitlines():
+  for line in embedding_backward_left_out(text).splitlines():
     match = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
     if match and explore_compile.collective_axes(line, sizes) == ("context",):
       found[match.group(2)] |= {tuple(int(d) for d in dims.split(","))
@@ -59,6 +59,13 @@ def test_mla_gathers_the_latent_not_the_heads():
   assert not [s for s in found["all-reduce"] if 64 in s], found  # weight gradients only, no [.., 64, ..]
 
 
+def embedding_backward_left_out(text):
+  """The compiled module without the embedding's backward (a scatter-add of the input gradient into the table):
+  XLA may gather that gradient [b, T, D] over context once per microbatch rather than all-reduce the [V, D]
+  table gradient, the cheaper choice for any real vocabulary; it carries no key or value."""
+  return "\n".join(line for line in text.splitlines() if "_take)))/scatter-add" not in line)
+
+
 def compiled_collectives(name, *overrides):
   """{collective: {mesh axes: count}} of the compiled step, and XLA's temporary bytes per device."""
   cfg = load_config(name, *overrides)
@@ -67,7 +74,8 @@ def compiled_collectives(name, *overrides):
   with jax.set_mesh(mesh):
     out = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
                                                          next(global_batches(cfg, mesh))).compile()
-  counts = explore_compile.count_collectives(out.as_text(), tuple(mesh.shape[a] for a in MESH_AXES))
+  counts = explore_compile.count_collectives(embedding_backward_left_out(out.as_text()),
+                                             tuple(mesh.shape[a] for a in MESH_AXES))
   return counts, out.memory_analysis().temp_size_in_bytes
 
 
