@@ -3,8 +3,8 @@
   python benchmarks/gpu_check.py [--out FILE.jsonl]
 
 attention: tokamax Mosaic GPU / Triton flash attention vs the dense reference (MLA head dims 192/128 and grouped
-query attention 128/128, causal, packed documents); experts: tokamax's grouped GEMM vs the blocked path; loss:
-chunked vs full logits. Prints one line per check and appends JSON lines; exits 1 if any check fails.
+query attention 128/128, causal, packed documents); experts: tokamax's grouped GEMM vs the blocked path; dispatch:
+ragged_all_to_all vs the fixed-slot all_to_all path (one GPU's expert axis); loss: chunked vs full logits. Prints one line per check and appends JSON lines; exits 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -69,6 +69,27 @@ def expert_cases():
         ref, (x, *ws), 2e-2
 
 
+def dispatch_cases():
+  """The exact-size dispatch (ragged_all_to_all, its plan and receive layout) against the fixed-slot path, on an
+  expert axis of one GPU: the same routed copies, the same experts, bfloat16 and FP8 rows."""
+  X, D, M, E, K = 4096, 2048, 512, 32, 4
+  ks = jax.random.split(jax.random.key(3), 6)
+  idx = jax.lax.top_k(jax.random.normal(ks[0], (X, E)), K)[1].astype(jnp.int32)
+  weights = jax.nn.softmax(jax.random.normal(ks[1], (X, K)), -1)
+  x = jax.random.normal(ks[2], (X, D), jnp.bfloat16)
+  ws = [(jax.random.normal(kk, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for kk, s in zip(ks[3:], [(E, D, M), (E, D, M), (E, M, D)])]
+  mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+  cap = moe.capacity(X, K, 1, E, None)
+  rows = moe.receive_rows(X, K, 1, cap, 2.0)
+  on_mesh = lambda f: lambda x, w, *ws: jax.shard_map(lambda *a: f(a[0], idx, *a[1:])[0], mesh=mesh,
+                                                        in_specs=jax.P(), out_specs=jax.P(), check_vma=False)(x, w, *ws)
+  for fp8 in (False, True):
+    fixed = on_mesh(lambda *a, fp8=fp8: moe.experts_parallel(*a, ("expert",), 1, cap, "auto", fp8))
+    ragged = on_mesh(lambda *a, fp8=fp8: moe.experts_parallel_ragged(*a, ("expert",), 1, cap, rows, "auto", fp8))
+    yield f"dispatch ragged vs fixed{' fp8' if fp8 else ''}", ragged, fixed, (x, weights, *ws), 2e-2
+
+
 def loss_cases():
   B, T, D, V = 4, 2048, 2048, 32768
   ks = jax.random.split(jax.random.key(2), 3)
@@ -86,7 +107,7 @@ def main() -> None:
   args = parser.parse_args()
   print(f"devices: {jax.devices()}", flush=True)
   failed = 0
-  for cases in (attention_cases, expert_cases, loss_cases):
+  for cases in (attention_cases, expert_cases, dispatch_cases, loss_cases):
     for name, fn, ref, inputs, tol in cases():
       start = time.perf_counter()
       try:
