@@ -112,10 +112,11 @@ def kernels_used(calls: dict[str, int]) -> dict[str, int]:
 
 def largest_shapes(hlo: str, top: int = 5) -> list[tuple[str, int]]:
   """The largest array types named in an HLO text (dtype[dims]) and their bytes, largest first."""
-  sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f8e4m3fn": 1, "s8": 1, "pred": 1, "u8": 1}
+  from jaxseek.explore import overlap
+
   seen = {}
   for dtype, dims in re.findall(r"\b(f32|bf16|f16|s32|u32|f8e4m3fn|s8|pred|u8)\[([\d,]+)\]", hlo):
     shape = f"{dtype}[{dims}]"
     if shape not in seen:
-      seen[shape] = sizes[dtype] * int(np.prod([int(d) for d in dims.split(",")]))
+      seen[shape] = overlap.array_bytes(shape)
   return sorted(seen.items(), key=lambda kv: -kv[1])[:top]
