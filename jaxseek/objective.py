@@ -20,7 +20,7 @@ from jaxseek import config as config_lib
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.sharding import pipeline as pipeline_lib
-from jaxseek.sharding import schedules
+from jaxseek.sharding import rules, schedules
 from jaxseek.sharding.rules import shard
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   alpha = cfg.model.aux_loss_alpha * state.loss_scale / (B * norms.balance_divisor // M)
   g_stack, g_rest, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run(
       table, first, stage, post, stack_params, stack_consts, as_computed(rest_params, cfg.train.compute_dtype),
-      split(batch), side_M, {"balance": alpha}, ("balance",))
+      split(batch), side_M, {"balance": alpha}, ("balance",), unsplit_leaves(rest_params))
   g_rest = jax.tree.map(lambda g, p: g.astype(p.dtype), g_rest, rest_params)
   grads = nnx.merge_state(g_rest, nnx.State({name: nnx.State({"blocks": g_stack})}))
   stage_aux = pipeline_lib.zero_padding_rows(stage_aux, stored=jax.tree.leaves(stack_params)[0].shape[0],
@@ -155,6 +155,22 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   balance = post_balance / M + (stage_aux["balance"].sum() / B if "balance" in stage_aux else 0.0)
   loads = {**post_loads, **{k: v for k, v in stage_aux.items() if k != "balance"}}
   return grads, ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads
+
+
+def unsplit_leaves(params) -> tuple[bool, ...]:
+  """For each leaf of an nnx State, whether its placement splits it over no mesh axis but `pipeline` and those
+  an enclosing shard_map handles by hand: a stage holds it (or its block) whole, so its gradient can be laid
+  into a flat buffer without moving data (schedules.RestGrads)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  skip = {"pipeline", *mesh.manual_axes}
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+  def unsplit(v):
+    entries = rules.param_spec(v.get_metadata()["logical_axes"], v.shape, mesh)
+    axes = [a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    return all(sizes[a] == 1 for a in axes if a not in skip)
+
+  return tuple(jax.tree.leaves(jax.tree.map(unsplit, params, is_leaf=rules.is_variable)))
 
 
 def as_computed(params, dtype: str):

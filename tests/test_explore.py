@@ -394,8 +394,9 @@ def test_gradient_sums_on_gradsum_axes_run_once_per_step():
 def test_weights_outside_the_pipelined_stack_are_stored_over_the_stages():
   """tiny-dense on pipeline 2 × data 4 under 1F1B: both layers are pipelined (one a stage); the embedding
   [V, D], final norm [D] and head [D, V] are stored split over the stages on D, so a stage holds half of
-  every parameter; it gathers them whole once per step (float32), accumulates their gradients whole in
-  float32, and reduce-scatters those once."""
+  every parameter; it gathers them whole once per step (float32), accumulates their gradients in float32 in
+  one buffer as long as the larger part (the first stage's embedding, the last stage's norm and head:
+  schedules.RestGrads), and reduce-scatters them once."""
   cfg = load_config("tiny-dense", *mesh_overrides("p2d4"), "train.pipeline_schedule=1f1b", "train.microbatches=2")
   model = explore.describe(cfg)
   plan = explore.plan(model, sizes_of("p2d4"), explore.hardware("h100-80g"))
@@ -403,7 +404,8 @@ def test_weights_outside_the_pipelined_stack_are_stored_over_the_stages():
   outer = (2 * 264 * 48 + 48) * 4
   assert memory["parameters"] == model.total_parameters * 4 // 2
   assert memory["parameters"] == (model.total_parameters * 4 - outer) // 2 + outer // 2
-  assert memory["gathered_weights"] == outer and memory["gradients"] == memory["parameters"] + outer
+  last = (264 * 48 + 48) * 4
+  assert memory["gathered_weights"] == outer and memory["gradients"] == memory["parameters"] + last
   pipeline = {c["collective"]: c["bytes_per_device"] for c in plan["communication"]["pipeline"]}
   assert pipeline["all-gather"] == pipeline["reduce-scatter"] == outer // 2
   rows = {r["name"]: r["placement"] for r in plan["parameters"]}
@@ -486,3 +488,17 @@ def test_collective_bytes_weigh_loop_bodies_by_their_trip_count():
   assert explore_compile.gradient_reduction_bytes(got) == 4 * 32
   assert explore_compile._tuple_elements("(bf16[1,24]{1,0}, (f32[2]{0}, s32[]), u32[])") == \
       ["bf16[1,24]{1,0}", "(f32[2]{0}, s32[])", "u32[]"]
+
+
+def test_group_limited_routing_bounds_the_nodes_a_token_reaches():
+  """DeepSeek-V3's routing keeps the 4 best of 8 groups of 32 experts: on 64 expert shards of 8 to a node a
+  group fills one node, so a token reaches at most 4 nodes (32 shards); on 16 shards a group is 2 shards of a
+  2-node axis; greedy top-k routing has no such bound."""
+  from jaxseek.explore import comm
+
+  cfg = load_config("deepseek-v3-671b")
+  assert comm.group_reach(cfg, 64, 8) == (32, 4)
+  assert comm.group_reach(cfg, 16, 8) == (8, 2)
+  assert comm.group_reach(cfg, 64, 4) == (32, 8)  # a group spans 2 nodes of 4 shards
+  greedy = load_config("deepseek-v3-671b", "model.topk_method=greedy")
+  assert comm.group_reach(greedy, 64, 8) is None

@@ -331,6 +331,42 @@ def test_dualpipev_table():
     schedules.build(2, 1, 1, np.array([[0], [1]]), {(0, 0): 0, (0, 1): 1}, {(0, 0): 1, (0, 1): 1})
 
 
+def test_the_rest_of_the_model_accumulates_its_gradients_where_its_part_runs():
+  """Under 1F1B the first part (embedding, layers before the stack) runs on stage 0 and the last (head, MTP) on
+  stage S − 1: the leaves only one part reads share one float32 buffer as long as the larger part, each part
+  accumulating at its own offsets; a leaf both read keeps its own accumulator, one neither reads none. In
+  DualPipeV's V both parts run on stage 0, so every leaf read keeps its own."""
+  import jax.numpy as jnp
+
+  params = {"both": jnp.ones((3,)), "first": jnp.ones((5, 2)), "last": jnp.ones((2,)), "unused": jnp.ones((4,))}
+  first_fn = lambda p, x: p["both"].sum() * p["first"].sum() * x
+  post_fn = lambda p, h, x: p["both"].sum() + p["last"].sum() * h * x
+  first = schedules.used_leaves(first_fn, params, 1.0)
+  post = schedules.used_leaves(post_fn, params, 1.0, 1.0)
+  order = sorted(params)  # the leaves in tree order: both, first, last, unused
+  assert dict(zip(order, first)) == {"both": True, "first": True, "last": False, "unused": False}
+  assert dict(zip(order, post)) == {"both": True, "first": False, "last": True, "unused": False}
+
+  layout = schedules.RestGrads(schedules.one_f_one_b(4, 8), params, first, post)
+  assert (layout.first_stage, layout.post_stage, layout.whole, layout.size) == (0, 3, [0], 10)
+  acc = layout.add(layout.init(), "first", [jnp.full((3,), 1.0), jnp.arange(10.0).reshape(5, 2)])
+  acc = layout.add(acc, "first", [jnp.full((3,), 1.0), jnp.ones((5, 2))])
+  on_0 = layout.tree(acc, 0)
+  np.testing.assert_array_equal(on_0["both"], 2.0)
+  np.testing.assert_array_equal(on_0["first"], np.arange(10.0).reshape(5, 2) + 1)
+  np.testing.assert_array_equal(on_0["last"], 0.0)
+  np.testing.assert_array_equal(on_0["unused"], 0.0)
+  acc = layout.add(layout.init(), "post", [jnp.full((3,), 1.0), jnp.array([4.0, 5.0])])  # as stage 3 would
+  on_3 = layout.tree(acc, 3)
+  np.testing.assert_array_equal(on_3["both"], 1.0)
+  np.testing.assert_array_equal(on_3["last"], [4.0, 5.0])
+  np.testing.assert_array_equal(on_3["first"], 0.0)
+  np.testing.assert_array_equal(layout.tree(acc, 1)["last"], 0.0)  # a middle stage runs neither part
+
+  v = schedules.RestGrads(schedules.dualpipev(4, 8), params, first, post)
+  assert (v.first_stage, v.post_stage, v.whole, v.size) == (0, 0, [0, 1, 2], 0)
+
+
 def test_a_forward_outside_the_dualpipev_schedule_reads_the_v_layout():
   """Evaluation runs the model's forward (the circular pipeline) on parameters stored for DualPipeV: its logits
   equal those of the same model on one device."""

@@ -274,6 +274,10 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
   nodes = max(1, P // g)
   limit = m.moe_max_expert_shards
   reach = min(limit or P, P, K)
+  node_reach = min(reach, nodes)
+  groups = group_reach(cfg, P, g)
+  if groups:
+    reach, node_reach = min(reach, groups[0]), min(node_reach, groups[1])
   total = pick("out") + pick("back") + pick("counts")
   return {"kind": first.kind, "dispatch_dtype": first.dtype, "shards": P, "local_experts": first.local_experts,
           "tokens_per_run": first.tokens, "rows_sent": first.sent, "rows_received": first.received,
@@ -283,11 +287,28 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
           "vs_ideal": total / pick("ideal") if pick("ideal") else None,
           "shards_per_node": g, "nodes": nodes,
           "share_on_device": 1 / P, "share_intra_node": (g - 1) / P, "share_inter_node": (P - g) / P,
-          "max_expert_shards": limit, "shards_per_token_max": reach, "nodes_per_token_max": min(reach, nodes),
-          "inter_node_copies_per_token": K * (P - g) / P,
+          "max_expert_shards": limit, "shards_per_token_max": reach, "nodes_per_token_max": node_reach,
+          "group_limited": bool(groups), "inter_node_copies_per_token": K * (P - g) / P,
           # a dispatch that sent a token once per node it reaches and fanned it out there (DeepSeek's) would
           # cross nodes at most this often per token; jaxseek sends every copy
-          "inter_node_sends_per_token_one_per_node_max": min(reach, nodes - 1)}
+          "inter_node_sends_per_token_one_per_node_max": min(node_reach, nodes - 1)}
+
+
+def group_reach(cfg, P: int, g: int) -> tuple[int, int] | None:
+  """(shards, nodes) a token's experts can reach under group-limited routing (model.topk_method
+  group_limited_greedy or noaux_tc with n_group > 1: the `topk_group` best of `n_group` groups of experts), on P
+  expert shards of g to a node, experts laid out in order; None without it. DeepSeek-V3 on 64 shards: a group's
+  32 experts fill the 8 shards of one node, so a token reaches at most 4 nodes (its node-limited routing)."""
+  m = cfg.model
+  if m.topk_method == "greedy" or m.n_group <= 1 or m.n_routed_experts % P:
+    return None
+  per_group, per_shard = m.n_routed_experts // m.n_group, m.n_routed_experts // P
+  spans = []  # (shards, nodes) group k's experts lie on
+  for k in range(m.n_group):
+    lo, hi = k * per_group // per_shard, ((k + 1) * per_group - 1) // per_shard
+    spans.append((hi - lo + 1, hi // g - lo // g + 1))
+  widest = max(spans)
+  return min(P, m.topk_group * widest[0]), min(max(1, P // g), m.topk_group * max(n for _, n in spans))
 
 
 def shards_per_node(sizes: dict[str, int], hw: Hardware) -> int:

@@ -191,6 +191,14 @@ def outer_role(cfg: Config, stack: str | None, pipeline: int) -> str:
   return "first" if stack in before else "last"
 
 
+def outer_parts(cfg: Config, stack: str | None, pipeline: int) -> tuple[str, ...]:
+  """The parts of the model under a table schedule that read an outer leaf: its `outer_role`, and for the
+  embedding also the last part where MTP embeds the tokens ahead (or the head is the tied table)."""
+  role = outer_role(cfg, stack, pipeline)
+  reads_later = cfg.model.num_nextn_predict_layers > 0 or cfg.model.tie_word_embeddings
+  return ("first", "last") if stack == "embed" and role == "first" and reads_later else (role,)
+
+
 def gathered_itemsize(cfg: Config, leaf: Leaf) -> int:
   """Bytes per element of an outer weight as a table schedule gathers it (objective.as_computed): the compute
   dtype for matrices but the router's, the leaf's own dtype for vectors (norm scales) and the router."""

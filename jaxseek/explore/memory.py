@@ -14,7 +14,7 @@ larger of the two counts. Each layer run counts once:
 With S > 1 the weights outside the pipelined stack are stored 1/S per stage where `rules.param_spec` splits them
 over `pipeline` (parameters, gradients, optimiser state) and held whole during the step: gathered in the
 parameter dtype (`gathered_weights`); under a table schedule (1F1B, interleaved 1F1B, DualPipeV) their
-gradients are accumulated whole in float32 through the schedule (`gradients`).
+gradients are accumulated in float32 through the schedule as `schedules.RestGrads` lays them out (`gradients`).
 The MoE dispatch buffers are those of `dispatch` (model.moe_dispatch: fixed P·C-row buffers on CPU, the ragged
 exchange of the x·K token copies into R = ⌈f·x·K⌉ rows on GPU and TPU).
 
@@ -347,18 +347,27 @@ def _activations(cfg: Config, runs: list[tuple], head: int, platform: str) -> di
   if not runs:
     return {"activations": head, "moe_dispatch": 0}
   policy = cfg.train.remat
-  per_run = []  # (runs, activation bytes, dispatch bytes, bytes kept between forward and backward) of a layer
-  for count, moe, batch, sizes in runs:
+  per_run = []  # (runs, activation bytes, dispatch bytes, bytes kept between forward and backward, dispatch
+  for count, moe, batch, sizes in runs:  # bytes the backward does not read) of a layer
     tensors = layer_tensors(cfg, sizes, moe, platform, batch)
     act, dispatch = _split(tensors, sizes)
-    per_run.append((count, act, dispatch, sum(t.bytes(sizes) * kept_copies(t, policy) for t in tensors)))
+    per_run.append((count, act, dispatch, sum(t.bytes(sizes) * kept_copies(t, policy) for t in tensors),
+                    sum(t.bytes(sizes) * t.copies for t in tensors if t.name in FORWARD_ONLY)))
   biggest = max(per_run, key=lambda r: r[1] + r[2])
   if policy == "none":
-    return {"activations": sum(n * a for n, a, _, _ in per_run) + max(biggest[1], head),
-            "moe_dispatch": sum(n * d for n, _, d, _ in per_run) + biggest[2]}
-  # every layer keeps what the policy saves; one layer at a time recomputes the rest for its backward
-  return {"activations": sum(n * k for n, _, _, k in per_run) + biggest[1] + max(biggest[1], head),
-          "moe_dispatch": 2 * biggest[2]}
+    return {"activations": sum(n * a for n, a, *_ in per_run) + max(biggest[1], head),
+            "moe_dispatch": sum(n * d for n, _, d, *_ in per_run) + biggest[2]}
+  # every layer keeps what the policy saves; one layer at a time recomputes the rest for its backward, whose
+  # buffers join those of the recomputed forward it reads
+  return {"activations": sum(n * k for n, _, _, k, _ in per_run) + biggest[1] + max(biggest[1], head),
+          "moe_dispatch": 2 * biggest[2] - biggest[4]}
+
+
+# the ragged exchange's forward buffers that its backward does not read: consumed by the next step of the
+# exchange (the copies sorted, packed and received as float8 before they are dequantised, the expert outputs
+# before they are sent back) and freed before the backward's own exchange starts
+FORWARD_ONLY = ("token copies sorted by expert", "copies packed as float8 + scales", "rows received (float8 + scales)",
+                "expert outputs")
 
 
 # the dispatch's exchanged rows, which no remat policy keeps (memory.dispatch_tensors)
@@ -386,15 +395,22 @@ def kept_copies(t: Tensor, policy: str) -> int:
 
 def outer_whole(model: ex.Model, sizes: dict[str, int]) -> tuple[int, int]:
   """The weights outside the pipelined stack held whole on a stage for the step: those split over `pipeline`
-  (`rules.param_spec`) gathered (under a table schedule in the compute dtype, `layout.gathered_itemsize`); and their whole gradients: under a table schedule
-  every outer weight's, accumulated in float32 through the schedule (summed over the stages after it), under
-  GPipe those of the split ones before their reduce-scatter (parameter dtype). Returns (gathered bytes,
-  gradient bytes); with fsdp > 1 the embedding and head are left to `gathered_weights`, which counts them."""
+  (`rules.param_spec`) gathered (under a table schedule in the compute dtype, `layout.gathered_itemsize`); and
+  their whole gradients. Under a table schedule they are accumulated in float32 through the schedule (summed
+  over the stages after it) as `schedules.RestGrads` lays them out: a whole accumulator for the leaves both
+  parts read (the embedding with MTP) and for those an automatic axis splits (tensor, fsdp under ZeRO-3), one
+  buffer as long as the larger part for the others (both parts' when they run on one stage, as in DualPipeV). Under GPipe those of the split ones before their reduce-scatter
+  (parameter dtype). Returns (gathered bytes, gradient bytes); with fsdp > 1 the embedding and head are left to
+  `gathered_weights`, which counts them."""
   cfg, S = model.cfg, sizes["pipeline"]
   table = ex.table_schedule(cfg, S)
   whole = {**sizes, "pipeline": 1}
   stages = ex.stage_layers(cfg, S)
   gathered = gradients = 0
+  parts = {"first": 0, "last": 0}  # float32 accumulators of the leaves one part reads
+  from jaxseek.sharding import gradsum
+
+  by_hand = {"pipeline", *gradsum.axes(cfg, sizes)}  # the axes of the shard_maps around the schedule
   for leaf in ex.leaves_on(model, sizes):
     if leaf.kind not in ("params", "biases") or not ex.outer(cfg, leaf, S):
       continue
@@ -405,10 +421,15 @@ def outer_whole(model: ex.Model, sizes: dict[str, int]) -> tuple[int, int]:
     cast = ex.gathered_itemsize(cfg, leaf) if table else leaf.itemsize
     gathered += nbytes // leaf.itemsize * cast if split else 0
     if leaf.kind == "params" and table:
-      gradients += nbytes // leaf.itemsize * 4
+      readers = ex.outer_parts(cfg, leaf.stack, S)
+      auto_split = any(sizes[a] > 1 for axes in leaf.axes for a in axes if a not in by_hand)
+      if len(readers) > 1 or auto_split:
+        gradients += nbytes // leaf.itemsize * 4
+      else:
+        parts[readers[0]] += nbytes // leaf.itemsize * 4
     elif leaf.kind == "params" and split:
       gradients += nbytes
-  return gathered, gradients
+  return gathered, gradients + max(parts.values())
 
 
 def gathered_weights(model: ex.Model, sizes: dict[str, int]) -> int:

@@ -129,8 +129,9 @@ def expert_line(x: dict[str, Any]) -> str:
   rows = (f"{x['rows_sent']:,} token copies sent, {x['rows_received']:,} rows received" if x["kind"] == "ragged"
           else f"{x['rows_sent']:,} buffer rows out and back")
   limit = x["max_expert_shards"]
-  bound = (f"model.moe_max_expert_shards={limit}: a token reaches at most {x['shards_per_token_max']} shards on "
-           f"{x['nodes_per_token_max']} nodes" if limit else "no shard limit")
+  by = [f"model.moe_max_expert_shards={limit}"] * bool(limit) + ["group-limited routing"] * x.get("group_limited", 0)
+  bound = (f"{' and '.join(by)}: a token reaches at most {x['shards_per_token_max']} shards on "
+           f"{x['nodes_per_token_max']} nodes" if by else "no shard limit")
   return (f"expert dispatch ({x['kind']}, {x['dispatch_dtype']} out): {rows} per MoE layer run; of the copies "
           f"{100 * x['share_on_device']:.1f}% stay on the device, {100 * x['share_intra_node']:.1f}% go to the "
           f"{g - 1} other shards of its node, {100 * x['share_inter_node']:.1f}% cross nodes ({x['nodes']} nodes of "

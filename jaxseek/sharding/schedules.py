@@ -235,7 +235,8 @@ def _colour(intervals: list[list[tuple[float, float, tuple]]]) -> dict:
 
 
 def run(table: Table, first_fn: Callable, stage_fn: Callable, post_fn: Callable, stage_params, stage_consts,
-        rest_params, batch_M, side_M, aux_cotangent: dict[str, float], per_row: tuple[str, ...]):
+        rest_params, batch_M, side_M, aux_cotangent: dict[str, float], per_row: tuple[str, ...],
+        unsplit: tuple[bool, ...] | None = None):
   """The forward and backward of the whole model, its pipelined stack interleaved as `table` says.
 
   first_fn(rest_params, batch_b) → x_bTD is the model before the pipelined stack for one microbatch (embedding
@@ -243,7 +244,9 @@ def run(table: Table, first_fn: Callable, stage_fn: Callable, post_fn: Callable,
   side_b) → (y_bTD, aux) runs one chunk of C layers (`stage_params` and `stage_consts` leaves are [L, ...] in
   storage order, sharded on `pipeline`: stage s stores its chunks r = 0 … R − 1 in order; aux leaves lead with
   C); post_fn(rest_params, y_bTD, batch_b) → (value, stats) is the rest of the objective for one microbatch
-  (already multiplied by the loss scale), run after the last virtual stage on its stage. `batch_M` and `side_M`
+  (already multiplied by the loss scale), run after the last virtual stage on its stage. `unsplit` marks the
+  rest's leaves no automatic mesh axis splits (all when None): only those share the flat accumulator of
+  `RestGrads` (a split one would be resharded to be laid into it). `batch_M` and `side_M`
   are per-microbatch trees [M, b, ...]. Each aux entry k enters the objective as aux_cotangent[k] · its sum (0
   when absent); entries named in `per_row` are per-sequence [C, b] and are summed over rows here.
 
@@ -253,18 +256,110 @@ def run(table: Table, first_fn: Callable, stage_fn: Callable, post_fn: Callable,
   R = table.repeats
 
   def per_stage(sp, sc, rp, batch_M, side_M, aux_cotangent):
-    stage = _Stage(table, first_fn, stage_fn, post_fn, sp, sc, rp, batch_M, side_M, aux_cotangent, per_row)
+    stage = _Stage(table, first_fn, stage_fn, post_fn, sp, sc, rp, batch_M, side_M, aux_cotangent, per_row,
+                   unsplit)
     carry, _ = jax.lax.scan(stage.tick, stage.init(), jnp.arange(table.ticks))
     _, _, g_sp, g_rp, stats, aux_acc = carry
     shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
     rows = lambda tree: jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), tree)  # [R, C] → rows
-    return rows(g_sp), shared(g_rp), shared(stats), rows(aux_acc)
+    return rows(g_sp), shared(stage.layout.tree(g_rp, stage.s)), shared(stats), rows(aux_acc)
 
   g_sp, g_rp, stats, aux = jax.shard_map(
       per_stage, in_specs=(P(AXIS), P(AXIS), P(), P(), P(), P()), out_specs=P(AXIS), axis_names={AXIS},
       check_vma=False)(stage_params, stage_consts, rest_params, batch_M, side_M, aux_cotangent)
   total = lambda tree: jax.tree.map(lambda a: a.sum(0), tree)
   return g_sp, total(g_rp), total(stats), aux
+
+
+def used_leaves(fn: Callable, params, *args) -> tuple[bool, ...]:
+  """For each leaf of `params`, whether fn(params, *args) reads it (traced once, abstractly)."""
+  leaves, treedef = jax.tree.flatten(params)
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), (leaves, args))
+  jaxpr = jax.make_jaxpr(lambda ls, rest: fn(jax.tree.unflatten(treedef, ls), *rest))(*abstract).jaxpr
+  read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+  return tuple(id(v) in read for v in jaxpr.invars[:len(leaves)])
+
+
+class RestGrads:
+  """Where a stage accumulates the float32 gradients of the weights outside the pipelined stack (the rest).
+
+  The first virtual stage's part (the embedding, the layers before the stack) runs on one stage and the last
+  virtual stage's part (the layers after it, the head, MTP) on another, except in the V of DualPipeV, where
+  both run on stage 0. Every stage holds the same buffers (one program), so the accumulator of the leaves only
+  one part reads is one flat float32 buffer as long as the larger part: the first part's stage accumulates its
+  leaves there and the last part's stage its own (at offsets of their own). Leaves both parts read (the
+  embedding, which MTP reads too) keep a whole accumulator, as do leaves an automatic mesh axis splits (tensor,
+  fsdp: laying them into the flat buffer would move data); leaves neither reads get none. With both parts on
+  one stage every leaf keeps a whole accumulator."""
+
+  def __init__(self, table: Table, rest_params, first_used: tuple[bool, ...], post_used: tuple[bool, ...],
+               unsplit: tuple[bool, ...] | None = None):
+    leaves, self.treedef = jax.tree.flatten(rest_params)
+    unsplit = (True,) * len(leaves) if unsplit is None else unsplit
+    self.shapes = [(a.shape, a.dtype) for a in leaves]
+    V = table.stages * table.repeats
+    self.first_stage = int(np.argwhere(table.virtual == 0)[0][0])
+    self.post_stage = int(np.argwhere(table.virtual == V - 1)[0][0])
+    self.first_used = [i for i, u in enumerate(first_used) if u]
+    self.post_used = [i for i, u in enumerate(post_used) if u]
+    split = self.first_stage != self.post_stage
+    self.whole = [i for i in range(len(leaves)) if (first_used[i] or post_used[i]) and
+                  ((first_used[i] and post_used[i]) or not split or not unsplit[i])]
+    self.offset: dict[tuple[str, int], int] = {}  # (part, leaf) → offset in the flat buffer
+    self.size = 0
+    for part, used in (("first", first_used), ("post", post_used)):
+      at = 0
+      for i, u in enumerate(used):
+        if u and i not in self.whole:
+          self.offset[part, i] = at
+          at += int(np.prod(self.shapes[i][0]))
+      self.size = max(self.size, at)
+
+  def init(self):
+    return ([jnp.zeros(self.shapes[i][0], jnp.float32) for i in self.whole], jnp.zeros((self.size,), jnp.float32))
+
+  def add(self, acc, part: str, grads: list[jax.Array]):
+    """acc plus the gradients of the leaves `part` ("first" or "post") reads, in the order of `used(part)`."""
+    whole, flat = acc
+    whole = list(whole)
+    for i, g in zip(self.used(part), grads):
+      if i in self.whole:
+        k = self.whole.index(i)
+        whole[k] = whole[k] + g.astype(jnp.float32)
+      else:
+        at, n = self.offset[part, i], g.size
+        flat = jax.lax.dynamic_update_slice(flat, jax.lax.dynamic_slice(flat, (at,), (n,)) +
+                                            g.reshape(-1).astype(jnp.float32), (at,))
+    return whole, flat
+
+  def used(self, part: str) -> list[int]:
+    return self.first_used if part == "first" else self.post_used
+
+  def tree(self, acc, stage):
+    """The gradient tree on `stage` (zeros where it ran neither part), float32."""
+    whole, flat = acc
+    out = []
+    for i, (shape, _) in enumerate(self.shapes):
+      g = jnp.zeros(shape, jnp.float32)
+      if i in self.whole:
+        g = whole[self.whole.index(i)]
+      for part, on in (("first", self.first_stage), ("post", self.post_stage)):
+        if (part, i) in self.offset:
+          at = self.offset[part, i]
+          g = jnp.where(stage == on, flat[at:at + int(np.prod(shape))].reshape(shape), g)
+      out.append(g)
+    return jax.tree.unflatten(self.treedef, out)
+
+  def with_leaves(self, rest_params, part: str, values: list[jax.Array]):
+    """`rest_params` with the leaves `part` reads replaced by `values` (the ones differentiated)."""
+    leaves = list(jax.tree.leaves(rest_params))
+    for i, v in zip(self.used(part), values):
+      leaves[i] = v
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def read(self, rest_params, part: str) -> list[jax.Array]:
+    leaves = jax.tree.leaves(rest_params)
+    return [leaves[i] for i in self.used(part)]
 
 
 def _zeros(tree):
@@ -275,17 +370,13 @@ def _put(buf: jax.Array, i, value: jax.Array, when) -> jax.Array:
   return buf.at[i].set(jnp.where(when, value, buf[i]))
 
 
-def _add(acc, g):
-  return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-
-
 class _Stage:
   """What one stage runs inside `run`'s shard_map (its own parameters and the whole batch's microbatches): the
   tick of the schedule and its parts. The scan's carry is (stage-input buffer, cotangent buffer, chunk
   gradients [R, C, ...], gradients of the rest of the model, loss stats, aux [R, C, ...])."""
 
   def __init__(self, table: Table, first_fn, stage_fn, post_fn, sp, sc, rp, batch_M, side_M, aux_cotangent,
-               per_row):
+               per_row, unsplit=None):
     self.table, self.first_fn, self.stage_fn, self.post_fn = table, first_fn, stage_fn, post_fn
     self.rp, self.batch_M, self.side_M, self.aux_cotangent = rp, batch_M, side_M, aux_cotangent
     self.s = jax.lax.axis_index(AXIS)
@@ -300,6 +391,9 @@ class _Stage:
     self.rows = {k: k in per_row for k in self.aux_shape}
     self.stats_shape = jax.eval_shape(
         lambda: post_fn(rp, jnp.zeros(self.y_shape.shape, self.y_shape.dtype), _at(batch_M, 0))[1])
+    y = jax.ShapeDtypeStruct(self.y_shape.shape, self.y_shape.dtype)
+    self.layout = RestGrads(table, rp, used_leaves(first_fn, rp, _at(batch_M, 0)),
+                            used_leaves(lambda p, h, mb: post_fn(p, h, mb)[0], rp, y, _at(batch_M, 0)), unsplit)
 
   def chunk(self, x, p, r, m):
     return self.stage_fn(x, p, _at(self.sc_R, r), _at(self.side_M, m))
@@ -321,9 +415,10 @@ class _Stage:
       return pull((g_y, {k: _cotangent(a, self.aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
 
     def first():
-      g_first, g_chunk = vjp(lambda q, p: self.chunk(self.first_fn(q, _at(self.batch_M, m)), p, r, m), self.rp,
-                             _at(self.sp_R, r))
-      return jnp.zeros(self.y_shape.shape, self.y_shape.dtype), g_chunk, _add(g_rp, g_first)
+      mb, lay = _at(self.batch_M, m), self.layout
+      g_first, g_chunk = vjp(lambda q, p: self.chunk(self.first_fn(lay.with_leaves(self.rp, "first", q), mb), p, r, m),
+                             lay.read(self.rp, "first"), _at(self.sp_R, r))
+      return jnp.zeros(self.y_shape.shape, self.y_shape.dtype), g_chunk, lay.add(g_rp, "first", g_first)
 
     def later():
       return (*vjp(lambda x, p: self.chunk(x, p, r, m), x, _at(self.sp_R, r)), g_rp)
@@ -333,9 +428,11 @@ class _Stage:
 
   def post_grad(self, y, m, g_rp):
     """The loss of microbatch m after the last virtual stage: (its cotangent, g_rp plus its gradient, stats)."""
-    (_, stats), vjp = _vjp_with_aux(self.post_fn, self.rp, y, _at(self.batch_M, m))
+    lay = self.layout
+    (_, stats), vjp = _vjp_with_aux(lambda q, h, mb: self.post_fn(lay.with_leaves(self.rp, "post", q), h, mb),
+                                    lay.read(self.rp, "post"), y, _at(self.batch_M, m))
     g, g_y = vjp(jnp.ones((), jnp.float32))
-    return g_y, _add(g_rp, g), stats
+    return g_y, lay.add(g_rp, "post", g), stats
 
   def send(self, kind: str, value: jax.Array, buf: jax.Array, t) -> jax.Array:
     """`value` to every stage that receives by a link of `kind`, stored in the slot the table names."""
@@ -349,7 +446,7 @@ class _Stage:
     summed = jax.eval_shape(lambda: self.summed(_zeros(self.aux_shape)))
     table, x = self.table, self.x_shape
     return (jnp.zeros((table.slots, *x.shape), x.dtype), jnp.zeros((table.grad_slots, *x.shape), x.dtype),
-            _zeros(self.sp_R), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.rp),
+            _zeros(self.sp_R), self.layout.init(),
             _zeros(self.stats_shape), jax.tree.map(lambda a: jnp.zeros((table.repeats, *a.shape), a.dtype), summed))
 
   def summed(self, aux):
