@@ -1,0 +1,82 @@
+"""The backward of a pipeline chunk split into b and W (sharding/wsplit.py): the same values as the whole vjp, and
+every matmul computed once."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import load_config
+from jaxseek import step as step_lib
+from jaxseek.model import remat as remat_lib
+from jaxseek.sharding import wsplit
+from jaxseek.sharding.mesh import make_mesh
+
+
+def chunk_backward(name, *overrides):
+  """(flat backward fn, its arguments, the number of weight leaves) of a tiny model's layer stack run as one
+  pipeline chunk (a scan over its layers, as objective.pipelined_gradients runs it)."""
+  cfg = load_config(name, "mesh.data=1", *overrides)
+  mesh = make_mesh(cfg, jax.devices()[:1])
+  trainer, state = step_lib.init_state(cfg, mesh)
+  model = nnx.merge(trainer.graphdef, state.params, state.biases)
+  stack = model.moe_layers if cfg.model.is_moe else model.dense_layers
+  graphdef, params, consts = nnx.split(stack.blocks, nnx.Param, ...)
+  body = remat_lib.wrap(lambda x, lp, lc, side: nnx.merge(graphdef, lp, lc)(x, *side), cfg.train.remat)
+  B, T, D = 2, 16, cfg.model.hidden_size
+  side = (jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.ones((B, T), jnp.int32), jnp.ones((B, T), jnp.float32))
+  leaves, treedef = jax.tree.flatten(params)
+
+  def backward(x, *rest):
+    chunk = lambda x, p: jax.lax.scan(lambda x, layer: body(x, *layer, side), x, (p, consts))[0]
+    _, pull = jax.vjp(chunk, x, jax.tree.unflatten(treedef, rest[:-1]))
+    dx, dp = pull(rest[-1])
+    return [dx, *jax.tree.leaves(dp)]
+
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  g = jax.random.normal(jax.random.key(1), (B, T, D))
+  return mesh, backward, (x, *leaves, g), len(leaves)
+
+
+def count_dots(fn, *args) -> int:
+  def walk(jaxpr):
+    n = 0
+    for eqn in jaxpr.eqns:
+      n += eqn.primitive.name == "dot_general"
+      for value in eqn.params.values():
+        for inner in value if isinstance(value, (list, tuple)) else [value]:
+          inner = getattr(inner, "jaxpr", inner)
+          if hasattr(inner, "eqns"):
+            n += walk(inner)
+    return n
+
+  return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("name, overrides, w_dots", [
+    ("tiny-dense", (), 7),  # q, k, v, o, gate, up, down: every weight gradient in W
+    ("tiny-dense", ("train.remat=full",), 7),  # through the remat of each layer
+    ("tiny-v3", (), 11),  # MLA's and the shared expert's; the routed experts' stay in b (their shard_map)
+], ids=["dense", "dense-remat", "v3"])
+def test_b_and_w_equal_the_whole_backward_and_compute_each_matmul_once(name, overrides, w_dots):
+  """b returns the input's cotangent (and the weight gradients an unsplit equation computes anyway), W the
+  other weight gradients from b's stash and the weights: the whole vjp's, to float32 rounding (the same
+  operations, fused otherwise by XLA). The dot products of b and
+  W add up to the whole backward's (none recomputed), W's are the weight gradients of the layer's matmuls, and
+  the stash holds activations (leading with the layers and the batch), never a copy of the weights."""
+  mesh, backward, args, n = chunk_backward(name, *overrides)
+  with jax.set_mesh(mesh):
+    closed = jax.make_jaxpr(backward)(*args)
+    split = wsplit.split(closed, [True] + [False] * n, w_args=tuple(range(1, 1 + n)))
+    b_out, stash = jax.jit(split.b)(*args)
+    w_out = jax.jit(split.w)(stash, *args[1:1 + n])
+    whole = jax.jit(backward)(*args)
+    assert split.b_outputs[0] == 0 and sorted(split.b_outputs + split.w_outputs) == list(range(1 + n))
+    got = {**dict(zip(split.b_outputs, b_out)), **dict(zip(split.w_outputs, w_out))}
+    for i, want in enumerate(whole):
+      np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=1e-5, atol=1e-6)
+    total, b_dots = count_dots(backward, *args), count_dots(split.b, *args)
+    assert count_dots(split.w, stash, *args[1:1 + n]) == w_dots == total - b_dots
+  layers, batch = args[1].shape[0], args[0].shape[0]
+  assert all(a.shape[:2] == (layers, batch) for a in jax.tree.leaves(stash))
