@@ -217,8 +217,9 @@ class TrainConfig:
   pipeline_repeats: int = 1  # circular pipeline: layer chunks (virtual stages) per pipeline stage; 1 is GPipe
   # gpipe (all forwards, then all backwards; circular with pipeline_repeats > 1), circular (the same, R ≥ 2),
   # 1f1b and interleaved_1f1b (R ≥ 2): one forward and one backward a tick, memory bounded by the stage count;
-  # dualpipev (R = 2): two chunks a stage on a V, a forward of one chunk beside a backward of the other
-  pipeline_schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "dualpipev"] = "gpipe"
+  # zero-bubble, the backward split into b and W (sharding/zero_bubble.py): zb_h1 (R = 1, 1F1B's memory), zbv
+  # (R = 2, two chunks a stage on a V), dualpipev (R = 2, DeepSeek's DualPipeV order on the V)
+  pipeline_schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"] = "gpipe"
   seed: int = 0
   run_dir: str = "runs/default"
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
@@ -526,12 +527,13 @@ def validate(cfg: Config, model_only: bool = False) -> None:
   if t.pipeline_schedule in ("circular", "interleaved_1f1b") and t.pipeline_repeats < 2:
     raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs train.pipeline_repeats ≥ 2 "
                     f"chunks per stage, got {t.pipeline_repeats}; set train.pipeline_repeats=2 or more")
-  if t.pipeline_schedule == "dualpipev" and t.pipeline_repeats != 2:
-    raise UserError(f"config key train.pipeline_schedule: dualpipev runs two chunks per stage (a V: stage s holds "
+  if t.pipeline_schedule in ("zbv", "dualpipev") and t.pipeline_repeats != 2:
+    raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs two chunks per stage (a V: "
+                    f"stage s holds "
                     f"virtual stages s and 2S-1-s), got train.pipeline_repeats={t.pipeline_repeats}; set "
                     f"train.pipeline_repeats=2")
-  if t.pipeline_schedule == "1f1b" and t.pipeline_repeats != 1:
-    raise UserError(f"config key train.pipeline_schedule: 1f1b runs one chunk per stage, got "
+  if t.pipeline_schedule in ("1f1b", "zb_h1") and t.pipeline_repeats != 1:
+    raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs one chunk per stage, got "
                     f"train.pipeline_repeats={t.pipeline_repeats}; use interleaved_1f1b for several")
   if cfg.eval.source == "holdout" and "synthetic" in ((cfg.data.source,) if isinstance(cfg.data.source, str)
                                                        else cfg.data.source):

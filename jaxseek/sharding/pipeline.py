@@ -41,7 +41,7 @@ from jaxseek.errors import UserError
 from jaxseek.sharding.rules import shard
 
 AXIS = "pipeline"
-ONE_F_ONE_B = ("1f1b", "interleaved_1f1b", "dualpipev")  # the train.pipeline_schedule values schedules.py runs
+ONE_F_ONE_B = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # the train.pipeline_schedule values schedules.py runs
 
 
 STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (leading axis "layers"), in order
@@ -125,7 +125,7 @@ Layout = tuple[int, int, str]  # (pipeline stages, repeats, "ring" | "v") a stat
 def shape(cfg: Config) -> str:
   """How the chunks sit on the stages: on a V for DualPipeV (stage s holds virtual stages s and 2S − 1 − s), else
   on a ring (r·S + s)."""
-  return "v" if cfg.train.pipeline_schedule == "dualpipev" else "ring"
+  return "v" if cfg.train.pipeline_schedule in ("zbv", "dualpipev") else "ring"
 
 
 def layout(cfg: Config, num_stages: int) -> Layout:
@@ -211,10 +211,10 @@ def check_stacks(cfg: Config, stages: int) -> None:
     raise UserError(f"config key train.pipeline_schedule: {cfg.train.pipeline_schedule} pipelines one layer stack, "
                     f"and {stages} stages split both {counts}; choose a stage count that splits only the larger "
                     f"stack, or the gpipe schedule")
-  if cfg.train.pipeline_schedule == "dualpipev" and stages > 1 and piped and stack_repeats(
+  if cfg.train.pipeline_schedule in ("zbv", "dualpipev") and stages > 1 and piped and stack_repeats(
       max(m.num_dense_layers, m.num_moe_layers), stages, R) != 2:
     n = max(m.num_dense_layers, m.num_moe_layers)
-    raise UserError(f"config key train.pipeline_schedule: dualpipev cuts the pipelined stack into 2 x {stages} "
+    raise UserError(f"config key train.pipeline_schedule: {cfg.train.pipeline_schedule} cuts the pipelined stack into 2 x {stages} "
                     f"chunks, and its {n} layers on {stages} stages make one chunk a stage; choose mesh.pipeline so "
                     f"that 2 x stages divides {n}, or the 1f1b schedule")
   if stages > 1 and R > 1 and not any(stack_repeats(n, stages, R) == R for n in (m.num_dense_layers, m.num_moe_layers)):
