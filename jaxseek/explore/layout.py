@@ -172,7 +172,7 @@ def outer(cfg: Config, leaf: Leaf, pipeline: int) -> bool:
 
 
 def table_schedule(cfg: Config, pipeline: int) -> bool:
-  """Whether a table schedule (1F1B, interleaved 1F1B, DualPipeV) runs the whole model inside the pipeline."""
+  """Whether a table schedule (1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV) runs the whole model inside the pipeline."""
   from jaxseek.sharding import pipeline as pipeline_lib
 
   return pipeline > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
@@ -180,11 +180,11 @@ def table_schedule(cfg: Config, pipeline: int) -> bool:
 
 def outer_role(cfg: Config, stack: str | None, pipeline: int) -> str:
   """Which stage runs an outer part under a table schedule: the embedding and the stacks before the pipelined
-  one run with the first virtual stage ("first"), the rest with the last ("last"); DualPipeV's V puts both on
-  stage 0."""
+  one run with the first virtual stage ("first"), the rest with the last ("last"); the V (ZB-V, DualPipeV) puts
+  both on stage 0."""
   from jaxseek.sharding import pipeline as pipeline_lib
 
-  if cfg.train.pipeline_schedule == "dualpipev":
+  if pipeline_lib.shape(cfg) == "v":
     return "first"
   piped = pipeline_lib.pipelined_stack(cfg.model, pipeline, cfg.train.pipeline_repeats)
   before = STACKS[:STACKS.index(piped)]

@@ -314,8 +314,8 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
         table = schedules.for_config(cfg, S, R)
         kept = (table.slots + table.grad_slots) * stage_input(cfg, B // M, platform).bytes(inner)
         runs.append((chunk, moe, B // M, inner))
-        if table.steps["fused"].any():  # a forward runs beside the backward in one branch: its working set too
-          runs.append((chunk, moe, B // M, inner))
+        if table.stash_slots:  # zero-bubble: what W reads (the layers' matmul inputs and output cotangents), kept
+          runs.append((table.stash_slots * chunk, moe, B // M, inner))  # from b to W, as a backward keeps them
       else:
         runs.append((pipeline_lib.num_ticks(S, M, R) * chunk, moe, B // M, inner))
     else:  # under 1F1B the other stack runs per microbatch inside the schedule, before or after

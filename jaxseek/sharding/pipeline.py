@@ -222,6 +222,15 @@ def check_stacks(cfg: Config, stages: int) -> None:
                     f"{counts}; choose R with mesh.pipeline x R at most the larger stack's layer count, or 1")
 
 
+ZB_FORMULA = {"zb_h1": "(S-1)/(3M+S-1)", "zbv": "(S-1)/(6M+S-1)", "dualpipev": "(S-1)/(6M+S-1)"}
+
+
+def zb_bubble(name: str, S: int, M: int) -> float:
+  """The bubble of a zero-bubble schedule with F = b = W = 1 per chunk (Qi et al.): ZB-H1's, and ZB-V's for both
+  orders on the V (DualPipeV's W fill its warm-up and drain as ZB-V's do, its F&B pairs run one op a tick)."""
+  return (S - 1) / ((3 if name == "zb_h1" else 6) * M + S - 1)
+
+
 def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> str:
   """One line: the schedule, its bubble, what it keeps alive, which layer stacks are pipelined, and (with the
   mesh `sizes`) whether the parts outside the schedule split the batch over the stages."""
@@ -241,13 +250,18 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
     from jaxseek.sharding import schedules
 
     table = schedules.for_config(cfg, stages, r)
-    dual = cfg.train.pipeline_schedule == "dualpipev"
-    schedule = "DualPipeV, 2 chunks on a V" if dual else "1F1B" if r <= 1 else f"interleaved 1F1B, {r} chunks"
-    keeps = (f"{table.slots} microbatch stage inputs + {table.grad_slots} cotangents kept per stage, layers "
-             f"recomputed in the backward; head and loss on the {'first' if dual else 'last'} stage")
-    formula = "lock-step ticks, F=1 B=2" if dual else formula
-    bubble = table.bubble() if dual else 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 else \
-        table.bubble()
+    name, v = cfg.train.pipeline_schedule, shape(cfg) == "v"
+    schedule = {"dualpipev": "DualPipeV, DeepSeek's order on a V, backward split into b and W",
+                "zbv": "ZB-V, 2 chunks on a V, backward split into b and W",
+                "zb_h1": "ZB-H1, backward split into b and W"}.get(
+        name, "1F1B" if r <= 1 else f"interleaved 1F1B, {r} chunks")
+    stash = f" + {table.stash_slots} stashes for W" if table.split else ""
+    keeps = (f"{table.slots} microbatch stage inputs + {table.grad_slots} cotangents{stash} kept per stage, layers "
+             f"recomputed in the backward; head and loss on the {'first' if v else 'last'} stage")
+    if table.split:
+      formula = f"of the lock-step table (F=b=W=1 a chunk; {ZB_FORMULA[name]} = {100 * zb_bubble(name, stages, M):.1f}%)"
+    bubble = table.bubble() if table.split else 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 \
+        else table.bubble()
   else:
     schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
     keeps = "all microbatches' activations kept until the backward; embedding, head and MTP run on every stage"
