@@ -74,12 +74,15 @@ class Table:
   b_chunk = property(lambda self: self.steps["b_chunk"])
   split = property(lambda self: "w_micro" in self.steps)
 
-  def bubble(self, backward_cost: float = 2.0) -> float:
-    """The share of the schedule's time a stage is idle, with a chunk's forward costing 1 and its backward
-    `backward_cost` (b and W 1 each in a split table): a tick lasts as long as the busiest stage's work in it."""
-    per_stage = (self.f_micro >= 0) + (1.0 if self.split else backward_cost) * (self.b_micro >= 0)  # [ticks, S]
+  def bubble(self, cost: dict[str, float] | None = None) -> float:
+    """The share of the schedule's time a stage is idle, with `cost` per op ("f", "b", "w"): a tick lasts as long
+    as the busiest stage's work in it. By default what the executor runs costs: a forward 1, a whole backward 2
+    (1F1B's bubble is the same for any ratio); in a split table b 2 (it recomputes the chunk's forward before
+    the input's cotangent) and W 1 (zero_bubble.RECOMPUTE)."""
+    cost = cost or (zero_bubble.RECOMPUTE if self.split else {"f": 1, "b": 2})
+    per_stage = cost["f"] * (self.f_micro >= 0) + cost["b"] * (self.b_micro >= 0)  # [ticks, S]
     if self.split:
-      per_stage = per_stage + (self.steps["w_micro"] >= 0)
+      per_stage = per_stage + cost["w"] * (self.steps["w_micro"] >= 0)
     total = per_stage.max(axis=1).sum()
     return float(1 - per_stage.sum(axis=0).max() / total)
 
@@ -91,18 +94,21 @@ class Table:
 def for_config(cfg, S: int, R: int) -> Table:
   """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds."""
   M, name = cfg.train.microbatches, cfg.train.pipeline_schedule
-  if name == "zb_h1":
-    return from_order(zero_bubble.zb_h1(S, M))
-  if name == "zbv":
-    return from_order(zero_bubble.zbv(S, M))
-  if name == "dualpipev":
-    return from_order(zero_bubble.dualpipev_zb(S, M))
+  if name in SPLIT:
+    return from_order(zero_bubble_order(name, S, M))
   return one_f_one_b(S, M, R)
 
 
+def zero_bubble_order(name: str, S: int, M: int, packed: bool = True) -> zero_bubble.Order:
+  """The order of a zero-bubble schedule; `packed` (what the step runs): built for b costing two, F and W
+  sharing the ticks without a b (zero_bubble.RECOMPUTE), else for F = b = W = 1."""
+  build_order = {"zb_h1": zero_bubble.zb_h1, "zbv": zero_bubble.zbv, "dualpipev": zero_bubble.dualpipev_zb}[name]
+  return build_order(S, M, packed=packed)
+
+
 def dualpipev(S: int, M: int) -> Table:
-  """DeepSeek's DualPipeV order (zero_bubble.dualpipev_zb) as a table."""
-  return from_order(zero_bubble.dualpipev_zb(S, M))
+  """DeepSeek's DualPipeV order (zero_bubble.dualpipev_zb) as the table the step runs."""
+  return from_order(zero_bubble_order("dualpipev", S, M))
 
 
 def work_items(S: int, M: int, R: int) -> list[tuple[int, int] | None]:
@@ -408,20 +414,24 @@ class _Stage:
                                       lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
     grads = _put(grads, lg, g_y, has_loss)
     stats = jax.tree.map(jnp.add, stats, stats_m)
-    p_leaves = jax.tree.leaves(_at(self.sp_R, 0))
-    no_b = lambda g: (_zeros(self.y_shape), [jnp.zeros(p_leaves[i].shape, p_leaves[i].dtype) for i in self.b_leaves],
-                      g, _zeros(self.stash_shape))
-    g_xb, g_early, g_rp, stash_b = jax.lax.cond(has_b, lambda g: self.backward(buf[bs], br, bm, grads[bg], g), no_b,
-                                                g_rp)
-    g_sp = self._accumulate(g_sp, br, self.b_leaves, g_early)
-    if self.table.split:  # b's stash kept; the W of this tick from its own
-      bst, wm, wr, wst = (col(k) for k in ("b_stash", "w_micro", "w_chunk", "w_stash"))
-      has_w = wm >= 0
-      bst, wm, wr, wst = (jnp.maximum(v, 0) for v in (bst, wm, wr, wst))
-      stash = jax.tree.map(lambda kept, new: _put(kept, bst, new, has_b), stash, stash_b)
-      g_late = jax.lax.cond(has_w, lambda: self.weights(_at(stash, wst), wr, wm),
-                            lambda: [jnp.zeros(p_leaves[i].shape, p_leaves[i].dtype) for i in self.w_leaves])
-      g_sp = self._accumulate(g_sp, wr, self.w_leaves, g_late)
+    # the gradients accumulate, and the stash is written and read, inside the branches that run (in place): a
+    # tick without a backward or a W touches none of them
+    bst, wm, wr, wst = ((col(k) for k in ("b_stash", "w_micro", "w_chunk", "w_stash")) if self.table.split else
+                        (-1, -1, 0, 0))
+    has_w = wm >= 0
+    bst, wm, wr, wst = (jnp.maximum(v, 0) for v in (bst, wm, wr, wst))
+
+    def run_b(kept):
+      g_sp, g_rp, stash = kept
+      g_x, g_early, g_rp, new = self.backward(buf[bs], br, bm, grads[bg], g_rp)
+      stash = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, bst, 0), stash, new)
+      return g_x, self._accumulate(g_sp, br, self.b_leaves, g_early), g_rp, stash
+
+    g_xb, g_sp, g_rp, stash = jax.lax.cond(has_b, run_b, lambda kept: (_zeros(self.y_shape), *kept),
+                                           (g_sp, g_rp, stash))
+    if self.table.split:  # the W of this tick, from its stash
+      g_sp = jax.lax.cond(has_w, lambda g: self._accumulate(g, wr, self.w_leaves,
+                                                            self.weights(_at(stash, wst), wr, wm)), lambda g: g, g_sp)
     buf, grads = self.send("f", y, buf, t), self.send("b", g_xb, grads, t)
     return (buf, grads, stash, g_sp, g_rp, stats, aux_acc), None
 

@@ -39,6 +39,8 @@ import dataclasses
 import numpy as np
 
 COST = {"f": 1, "b": 1, "w": 1, "B": 2}
+# jaxseek's b recomputes the chunk's forward from its kept input before the input's cotangent: it costs two
+RECOMPUTE = {"f": 1, "b": 2, "w": 1, "B": 3}
 Op = tuple[str, int, int]  # (kind, chunk, microbatch)
 
 
@@ -52,11 +54,17 @@ class Order:
   virtual: np.ndarray
   ticks: tuple[tuple[tuple[Op, ...], ...], ...]
 
-  def bubble(self) -> float:
-    """The share of the step a stage is idle, F = b = W = 1 per chunk."""
-    work = sum(COST[k] for s in range(self.stages) for tick in self.ticks for k, _, _ in tick[s]) / self.stages
-    span = sum(max(sum(COST[k] for k, _, _ in tick[s]) for s in range(self.stages)) for tick in self.ticks)
-    return 1 - work / span
+  def bubble(self, cost: dict[str, int] = COST) -> float:
+    """The share of the step a stage is idle, with `cost` per op (F = b = W = 1 per chunk by default)."""
+    return 1 - self.work(cost) / self.span(cost)
+
+  def work(self, cost: dict[str, int] = COST) -> float:
+    """A stage's work (the busiest stage's, which all stages share here)."""
+    return max(sum(cost[k] for tick in self.ticks for k, _, _ in tick[s]) for s in range(self.stages))
+
+  def span(self, cost: dict[str, int] = COST) -> float:
+    """The step's length: each tick as long as its busiest stage's ops."""
+    return sum(max(sum(cost[k] for k, _, _ in tick[s]) for s in range(self.stages)) for tick in self.ticks)
 
   def kept(self) -> dict[str, int]:
     """The most chunks a stage holds at once: between forward and backward (`inputs`, the stage inputs kept
@@ -78,20 +86,29 @@ class Order:
     return {"inputs": inputs, "stashes": stashes}
 
 
-def run_programs(S: int, M: int, virtual: np.ndarray, programs: list[list[tuple[Op, ...]]]) -> Order:
+def run_programs(S: int, M: int, virtual: np.ndarray, programs: list[list[tuple[Op, ...]]],
+                 packed: bool = False) -> Order:
   """Runs each stage's program in lock step: an instruction in the first tick in which everything it reads has
   arrived (sent in an earlier tick). Checks that every chunk of every microbatch runs f, and b then w (or B),
-  once."""
+  once. `packed` (for b costing two, `RECOMPUTE`): a lone f or w runs together with the program's next
+  instruction when that is a lone op of the other kind that is ready too, so that a tick costs a stage two,
+  as a tick of b does."""
   V = virtual.size
   done: dict[tuple[str, int, int], int] = {}  # (f | b | w, microbatch, virtual stage) → tick
   at, t, ticks = [0] * S, 0, []
   while any(at[s] < len(programs[s]) for s in range(S)):
     row = []
     for s in range(S):
-      ops = programs[s][at[s]] if at[s] < len(programs[s]) else ()
+      program = programs[s]
+      ops = program[at[s]] if at[s] < len(program) else ()
       if ops and all(_ready(op, int(virtual[s, op[1]]), V, done, t) for op in ops):
-        row.append(ops)
         at[s] += 1
+        if packed and _lone_fw(ops) and at[s] < len(program) and _lone_fw(program[at[s]]) and \
+            program[at[s]][0][0] != ops[0][0] and _ready(program[at[s]][0], int(virtual[s, program[at[s]][0][1]]),
+                                                       V, done, t):
+          ops = ops + program[at[s]]
+          at[s] += 1
+        row.append(ops)
       else:
         row.append(())
     if not any(row):
@@ -110,6 +127,10 @@ def run_programs(S: int, M: int, virtual: np.ndarray, programs: list[list[tuple[
   return Order(S, M, virtual, tuple(ticks))
 
 
+def _lone_fw(ops: tuple[Op, ...]) -> bool:
+  return len(ops) == 1 and ops[0][0] in ("f", "w")
+
+
 def _ready(op: Op, v: int, V: int, done: dict, t: int) -> bool:
   kind, _, m = op
   before = lambda key: key in done and done[key] < t
@@ -120,8 +141,8 @@ def _ready(op: Op, v: int, V: int, done: dict, t: int) -> bool:
   return before(("b", m, v))
 
 
-def zb_h1(S: int, M: int) -> Order:
-  """ZB-H1: 1F1B with the backward split, stage s's W delayed by s microbatches."""
+def zb_h1(S: int, M: int, packed: bool = False) -> Order:
+  """ZB-H1: 1F1B with the backward split, stage s's W delayed by s microbatches (`packed`: see run_programs)."""
   programs = []
   for s in range(S):
     warm = min(S - s - 1, M)
@@ -134,7 +155,7 @@ def zb_h1(S: int, M: int) -> Order:
         ops.append((("w", 0, k - s),))
     ops += [(("w", 0, k),) for k in range(max(M - s, 0), M)]
     programs.append(ops)
-  return run_programs(S, M, np.arange(S)[:, None], programs)
+  return run_programs(S, M, np.arange(S)[:, None], programs, packed)
 
 
 def v_placement(S: int) -> np.ndarray:
@@ -142,13 +163,15 @@ def v_placement(S: int) -> np.ndarray:
   return np.stack([np.arange(S), 2 * S - 1 - np.arange(S)], axis=1)
 
 
-def zbv(S: int, M: int) -> Order:
-  """ZB-V, built greedily (module docstring); the shorter of the caps 2S and 2S + 1."""
-  orders = [_greedy_v(S, M, cap) for cap in (2 * S, 2 * S + 1)]
-  return min((o for o in orders if o is not None), key=lambda o: len(o.ticks))
+def zbv(S: int, M: int, packed: bool = False) -> Order:
+  """ZB-V, built greedily (module docstring); the shorter of the caps 2S and 2S + 1. `packed` (b costing two,
+  `RECOMPUTE`): a stage without a ready b runs a forward and a W in one tick, as long as a b's."""
+  cost = RECOMPUTE if packed else COST
+  orders = [_greedy_v(S, M, cap, packed) for cap in (2 * S, 2 * S + 1)]
+  return min((o for o in orders if o is not None), key=lambda o: o.span(cost))
 
 
-def _greedy_v(S: int, M: int, cap: int) -> Order | None:
+def _greedy_v(S: int, M: int, cap: int, packed: bool = False) -> Order | None:
   virtual = v_placement(S)
   V = 2 * S
   done: dict[tuple[str, int, int], int] = {}
@@ -175,9 +198,10 @@ def _greedy_v(S: int, M: int, cap: int) -> Order | None:
           if m < M and _ready(("f", r, m), int(virtual[s, r]), V, done, t):
             op = ("f", r, m)
             break
-      if op is None and waiting_w[s]:
-        op = ("w", *waiting_w[s][0])
-      row.append((op,) if op else ())
+      ops = (op,) if op else ()
+      if (op is None or (packed and op[0] == "f")) and waiting_w[s]:
+        ops += (("w", *waiting_w[s][0]),)
+      row.append(ops)
     for s, ops in enumerate(row):
       for kind, r, m in ops:
         done[kind, m, int(virtual[s, r])] = t
@@ -194,13 +218,14 @@ def _greedy_v(S: int, M: int, cap: int) -> Order | None:
   return Order(S, M, virtual, tuple(ticks))
 
 
-def dualpipev_zb(S: int, M: int, fuse: bool = False) -> Order:
+def dualpipev_zb(S: int, M: int, fuse: bool = False, packed: bool = False) -> Order:
   """DeepSeek's DualPipeV order with the zero-bubble backwards and the W drain (module docstring). Each op runs
   in a tick of its own, so that every tick costs 1 on every stage: an F&B pair of DeepSeek's steps 4 and 5 runs
   as its forward, then its backward's b, then its w; a whole backward as b then w. With `fuse` a pair's forward
-  and b share one tick (to overlap one's all-to-all with the other's compute), its w following."""
+  and b share one tick (to overlap one's all-to-all with the other's compute), its w following; `packed`: see
+  run_programs."""
   programs = [_dualpipev_program(S, s, M, fuse) for s in range(S)]
-  return run_programs(S, M, v_placement(S), programs)
+  return run_programs(S, M, v_placement(S), programs, packed)
 
 
 def _dualpipev_program(S: int, s: int, M: int, fuse: bool = False) -> list[tuple[Op, ...]]:
