@@ -220,6 +220,9 @@ class TrainConfig:
   # zero-bubble, the backward split into b and W (sharding/zero_bubble.py): zb_h1 (R = 1, 1F1B's memory), zbv
   # (R = 2, two chunks a stage on a V), dualpipev (R = 2, DeepSeek's DualPipeV order on the V)
   pipeline_schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"] = "gpipe"
+  # zb_h1 / zbv: the most stashes (what a W reads, kept from its b) a stage keeps; fewer cost memory, more fill
+  # bubbles. 0: zbv S (pipeline stages), zb_h1 the fewest its fastest order needs
+  pipeline_stashes: int = 0
   seed: int = 0
   run_dir: str = "runs/default"
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
@@ -532,6 +535,10 @@ def validate(cfg: Config, model_only: bool = False) -> None:
                     f"stage s holds "
                     f"virtual stages s and 2S-1-s), got train.pipeline_repeats={t.pipeline_repeats}; set "
                     f"train.pipeline_repeats=2")
+  if t.pipeline_stashes < 0 or (t.pipeline_stashes and t.pipeline_schedule not in ("zb_h1", "zbv")):
+    raise UserError(f"config key train.pipeline_stashes: {t.pipeline_stashes} caps the stashes of zb_h1 and zbv "
+                    f"(a count ≥ 1, or 0 for the order's own); train.pipeline_schedule={t.pipeline_schedule} keeps "
+                    f"its own, set 0")
   if t.pipeline_schedule in ("1f1b", "zb_h1") and t.pipeline_repeats != 1:
     raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs one chunk per stage, got "
                     f"train.pipeline_repeats={t.pipeline_repeats}; use interleaved_1f1b for several")

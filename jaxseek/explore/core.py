@@ -97,6 +97,15 @@ def plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu
     return _plan(model, sizes, hw, platform)
 
 
+def layer_forward_flops(model: Model, sizes: dict[str, int]) -> float:
+  """A layer's forward FLOPs for one microbatch on one device of its stage: a third of the step's training FLOPs
+  per layer (forward + backward), per device of a stage's group."""
+  cfg = model.cfg
+  tokens = cfg.train.batch_size * cfg.train.seq_len / cfg.train.microbatches
+  group = math.prod(n for a, n in sizes.items() if a != "pipeline")
+  return model.flops_per_token * tokens / 3 / max(cfg.model.num_hidden_layers, 1) / group
+
+
 def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> dict[str, Any]:
   cfg = model.cfg
   if sizes["pipeline"] > 1:
@@ -116,6 +125,8 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       "mesh": dict(sizes),
       "devices": math.prod(sizes.values()),
       "pipeline": pipeline_lib.summary(cfg, sizes["pipeline"], sizes) if sizes["pipeline"] > 1 else "none",
+      "pipeline_schedules": pipeline_lib.compare(cfg, sizes["pipeline"], layer_forward_flops(model, sizes))
+      if sizes["pipeline"] > 1 else [],
       "train": {"batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
                 "pipeline_repeats": t.pipeline_repeats,
                 "remat": t.remat, "compute_dtype": t.compute_dtype, "param_dtype": t.param_dtype,

@@ -53,6 +53,15 @@ def print_plan(result: dict[str, Any], out: Console | None = None) -> None:
   out.print(f"[bold]{result['model']['model_type']}[/bold]: {result['total_parameters']:,} parameters "
                 f"({result['mtp_parameters']:,} in multi-token prediction) | mesh {mesh} ({result['devices']} "
                 f"devices) | pipeline: {result['pipeline']}")
+  if result.get("pipeline_schedules"):
+    sched = _table("Table schedules on these stages (from the tables the step runs; b recomputes the chunk's forward)",
+                   "schedule", "chunks x layers", "bubble", "at F=b=W=1", "ticks", "inputs", "cotangents",
+                   "stashes", "FLOP / stage")
+    for r in result["pipeline_schedules"]:
+      sched.add_row(r["schedule"], f"{r['chunks_per_stage']} x {r['layers_per_chunk']}", f"{100 * r['bubble']:.1f}%",
+                    f"{100 * r['unit_bubble']:.1f}%", str(r["ticks"]), str(r["kept_inputs"]),
+                    str(r["kept_cotangents"]), str(r["kept_stashes"]), f"{r.get('flops_per_stage', 0):.3g}")
+    out.print(sched)
   table = _table("Parameters (layer stacks folded: L = layers)", "name", "shape", "dtype", "logical axes",
                  "placement", "bytes / device")
   for r in result["parameters"]:

@@ -231,6 +231,41 @@ def zb_bubble(name: str, S: int, M: int) -> float:
   return (S - 1) / ((3 if name == "zb_h1" else 6) * M + S - 1)
 
 
+TABLE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
+
+
+def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[dict]:
+  """The table schedules this model's pipelined stack can run on `stages` stages with cfg's microbatches, side
+  by side, from the tables the step would run: the bubble under the executor's costs (F = 1, a whole backward 2,
+  b 2 and W 1: every table recomputes a chunk's forward in its backward) and at F = b = W = 1 (unit orders, for
+  a backward that would not recompute), the slots a stage keeps (stage inputs, cotangents, stashes for W) with
+  the layers in a chunk, and (with `layer_flops`, a layer's forward FLOPs for one microbatch) the FLOPs a stage
+  runs per step, counted per executed op: f one forward, b a forward and the input's gradient, W the weights'
+  gradient, a whole backward all three (each matmul's backward costs twice its forward: b and W one each)."""
+  from jaxseek.sharding import schedules, zero_bubble
+
+  m, M = cfg.model, cfg.train.microbatches
+  name = pipelined_stack(m, stages, 1)
+  n = stack_sizes(m)[name] if name else 0
+  rows = []
+  for schedule, R in TABLE_SCHEDULES:
+    if not n or stack_repeats(n, stages, R) != R:
+      continue
+    train = type("Train", (), {"microbatches": M, "pipeline_schedule": schedule, "pipeline_stashes": 0})
+    table = schedules.for_config(type("Cfg", (), {"train": train}), stages, R)
+    unit = (schedules.zero_bubble_order(schedule, stages, M, packed=False).bubble() if table.split
+            else table.bubble())
+    chunk = stored_layers(n, stages, R) // (stages * R)
+    ops = {k: int((table.steps[f"{k}_micro"][:, 0] >= 0).sum()) for k in ("f", "b", "w") if f"{k}_micro" in table.steps}
+    per_op = {"f": 1, "b": 2, "w": 1} if table.split else {"f": 1, "b": 3}  # in forwards of a chunk
+    row = {"schedule": schedule, "chunks_per_stage": R, "layers_per_chunk": chunk, "bubble": table.bubble(),
+           "unit_bubble": unit, "ticks": table.ticks, **{f"kept_{k}": v for k, v in table.kept().items()}}
+    if layer_flops is not None:
+      row["flops_per_stage"] = sum(per_op[k] * c for k, c in ops.items()) * chunk * layer_flops
+    rows.append(row)
+  return rows
+
+
 def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> str:
   """One line: the schedule, its bubble, what it keeps alive, which layer stacks are pipelined, and (with the
   mesh `sizes`) whether the parts outside the schedule split the batch over the stages."""
@@ -259,7 +294,8 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
     keeps = (f"{table.slots} microbatch stage inputs + {table.grad_slots} cotangents{stash} kept per stage, layers "
              f"recomputed in the backward; head and loss on the {'first' if v else 'last'} stage")
     if table.split:
-      formula = f"of the lock-step table (F=b=W=1 a chunk; {ZB_FORMULA[name]} = {100 * zb_bubble(name, stages, M):.1f}%)"
+      formula = (f"of the table run (F=1, b=2 as it recomputes the forward, W=1; at F=b=W=1 {ZB_FORMULA[name]} = "
+                 f"{100 * zb_bubble(name, stages, M):.1f}%)")
     bubble = table.bubble() if table.split else 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 \
         else table.bubble()
   else:

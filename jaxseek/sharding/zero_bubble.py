@@ -141,19 +141,21 @@ def _ready(op: Op, v: int, V: int, done: dict, t: int) -> bool:
   return before(("b", m, v))
 
 
-def zb_h1(S: int, M: int, packed: bool = False) -> Order:
-  """ZB-H1: 1F1B with the backward split, stage s's W delayed by s microbatches (`packed`: see run_programs)."""
+def zb_h1(S: int, M: int, packed: bool = False, stashes: int = 0) -> Order:
+  """ZB-H1: 1F1B with the backward split, stage s's W delayed by s microbatches (`packed`: see run_programs);
+  with `stashes` > 0 by at most stashes − 1, so that no stage keeps more than `stashes` stashes."""
   programs = []
   for s in range(S):
+    delay = s if stashes <= 0 else min(s, stashes - 1)
     warm = min(S - s - 1, M)
     ops: list[tuple[Op, ...]] = [(("f", 0, m),) for m in range(warm)]
     for k in range(M):
       if k + warm < M:
         ops.append((("f", 0, k + warm),))
       ops.append((("b", 0, k),))
-      if k >= s:
-        ops.append((("w", 0, k - s),))
-    ops += [(("w", 0, k),) for k in range(max(M - s, 0), M)]
+      if k >= delay:
+        ops.append((("w", 0, k - delay),))
+    ops += [(("w", 0, k),) for k in range(max(M - delay, 0), M)]
     programs.append(ops)
   return run_programs(S, M, np.arange(S)[:, None], programs, packed)
 
@@ -163,15 +165,16 @@ def v_placement(S: int) -> np.ndarray:
   return np.stack([np.arange(S), 2 * S - 1 - np.arange(S)], axis=1)
 
 
-def zbv(S: int, M: int, packed: bool = False) -> Order:
+def zbv(S: int, M: int, packed: bool = False, stashes: int = 0) -> Order:
   """ZB-V, built greedily (module docstring); the shorter of the caps 2S and 2S + 1. `packed` (b costing two,
-  `RECOMPUTE`): a stage without a ready b runs a forward and a W in one tick, as long as a b's."""
+  `RECOMPUTE`): a stage without a ready b runs a forward and a W in one tick, as long as a b's. With `stashes`
+  > 0 a stage runs no b while it keeps that many stashes (it runs their W first)."""
   cost = RECOMPUTE if packed else COST
-  orders = [_greedy_v(S, M, cap, packed) for cap in (2 * S, 2 * S + 1)]
+  orders = [_greedy_v(S, M, cap, packed, stashes) for cap in (2 * S, 2 * S + 1)]
   return min((o for o in orders if o is not None), key=lambda o: o.span(cost))
 
 
-def _greedy_v(S: int, M: int, cap: int, packed: bool = False) -> Order | None:
+def _greedy_v(S: int, M: int, cap: int, packed: bool = False, stashes: int = 0) -> Order | None:
   virtual = v_placement(S)
   V = 2 * S
   done: dict[tuple[str, int, int], int] = {}
@@ -186,7 +189,7 @@ def _greedy_v(S: int, M: int, cap: int, packed: bool = False) -> Order | None:
     row = []
     for s in range(S):
       op = None
-      for r in (1, 0):  # a ready b, the later chunk first
+      for r in (1, 0) if stashes <= 0 or len(waiting_w[s]) < stashes else ():  # a ready b, the later chunk first
         v = int(virtual[s, r])
         m = next((m for m in range(M) if ("b", m, v) not in done and _ready(("b", r, m), v, V, done, t)), None)
         if m is not None:
