@@ -328,7 +328,8 @@ def test_zero_bubble_tables():
   forward, b and W once on every virtual stage, b after the next virtual stage's b and W after its b (the
   checker refuses a backward run too early); the V's loss runs on stage 0. A stash stays in its slot from its
   b to its W; what a stage keeps does not grow with M from M = 2S on. Bubbles under the costs the step runs
-  (F = 1, b = 2: it recomputes the chunk's forward, W = 1): at S = 4, M = 16 ZB-V's at most 7%, 1F1B's 15.8%."""
+  (F = 1, b = 2: it recomputes the chunk's forward, W = 1): at S = 4, M = 16 ZB-V's at most 9.5% with its
+  default S stashes, 7% with 2S, 1F1B's 15.8%."""
   for name in ("zb_h1", "zbv", "dualpipev"):
     for S in (2, 3, 4):
       for M in (1, S, 2 * S, 3 * S + 1):
@@ -359,7 +360,8 @@ def test_zero_bubble_tables():
               live = {a: b for a, b in live.items() if b != slot}
       big = schedules.from_order(schedules.zero_bubble_order(name, S, 8 * S))
       assert schedules.from_order(schedules.zero_bubble_order(name, S, 4 * S)).kept() == big.kept()
-  assert schedules.from_order(schedules.zero_bubble_order("zbv", 4, 16)).bubble() <= 0.07
+  assert schedules.from_order(schedules.zero_bubble_order("zbv", 4, 16)).bubble() <= 0.095  # S stashes
+  assert schedules.from_order(schedules.zero_bubble_order("zbv", 4, 16, stashes=8)).bubble() <= 0.07
   assert schedules.one_f_one_b(4, 16).bubble() == pytest.approx(3 / 19)
   with pytest.raises(AssertionError, match="before its input"):  # the checker refuses a backward run too early
     schedules.build(2, 1, 1, np.array([[0], [1]]), {(0, 0): 0, (0, 1): 1}, {(0, 0): 1, (0, 1): 1})
