@@ -23,7 +23,6 @@ import argparse
 import statistics
 import sys
 import time
-import types
 
 import jax
 
@@ -90,8 +89,7 @@ def main() -> None:
         if kind == "gpipe":
           bubble = formula = bubble_fraction(S, micro, repeats)
         else:
-          train = types.SimpleNamespace(microbatches=micro, pipeline_schedule=schedule)
-          table = schedules.for_config(types.SimpleNamespace(train=train), S, repeats)
+          table = schedules.table(schedule, S, micro, repeats)
           bubble = table.bubble()
           formula = zb_bubble(kind, S, micro) if table.split else bubble_fraction(S, micro, repeats)
           kept = f"{table.slots}/{table.grad_slots}/{table.stash_slots}"

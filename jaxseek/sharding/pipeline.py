@@ -242,7 +242,7 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   the layers in a chunk, and (with `layer_flops`, a layer's forward FLOPs for one microbatch) the FLOPs a stage
   runs per step, counted per executed op: f one forward, b a forward and the input's gradient, W the weights'
   gradient, a whole backward all three (each matmul's backward costs twice its forward: b and W one each)."""
-  from jaxseek.sharding import schedules, zero_bubble
+  from jaxseek.sharding import schedules
 
   m, M = cfg.model, cfg.train.microbatches
   name = pipelined_stack(m, stages, 1)
@@ -251,8 +251,7 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   for schedule, R in TABLE_SCHEDULES:
     if not n or stack_repeats(n, stages, R) != R:
       continue
-    train = type("Train", (), {"microbatches": M, "pipeline_schedule": schedule, "pipeline_stashes": 0})
-    table = schedules.for_config(type("Cfg", (), {"train": train}), stages, R)
+    table = schedules.table(schedule, stages, M, R)
     unit = (schedules.zero_bubble_order(schedule, stages, M, packed=False).bubble() if table.split
             else table.bubble())
     chunk = stored_layers(n, stages, R) // (stages * R)

@@ -93,9 +93,14 @@ class Table:
 
 def for_config(cfg, S: int, R: int) -> Table:
   """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds."""
-  M, name = cfg.train.microbatches, cfg.train.pipeline_schedule
+  t = cfg.train
+  return table(t.pipeline_schedule, S, t.microbatches, R, t.pipeline_stashes)
+
+
+def table(name: str, S: int, M: int, R: int, stashes: int = 0) -> Table:
+  """The table of schedule `name` (a train.pipeline_schedule value) for S stages, M microbatches, R rounds."""
   if name in SPLIT:
-    return from_order(zero_bubble_order(name, S, M, stashes=getattr(cfg.train, "pipeline_stashes", 0)))
+    return from_order(zero_bubble_order(name, S, M, stashes=stashes))
   return one_f_one_b(S, M, R)
 
 
