@@ -57,14 +57,14 @@ def count_dots(fn, *args) -> int:
 @pytest.mark.parametrize("name, overrides, w_dots", [
     ("tiny-dense", (), 7),  # q, k, v, o, gate, up, down: every weight gradient in W
     ("tiny-dense", ("train.remat=full",), 7),  # through the remat of each layer
-    ("tiny-v3", (), 11),  # MLA's and the shared expert's; the routed experts' stay in b (their shard_map)
+    ("tiny-v3", (), 15),  # MLA's, the shared expert's, the router's and the routed experts' (inside their shard_map)
 ], ids=["dense", "dense-remat", "v3"])
 def test_b_and_w_equal_the_whole_backward_and_compute_each_matmul_once(name, overrides, w_dots):
   """b returns the input's cotangent (and the weight gradients an unsplit equation computes anyway), W the
   other weight gradients from b's stash and the weights: the whole vjp's, to float32 rounding (the same
   operations, fused otherwise by XLA). The dot products of b and
   W add up to the whole backward's (none recomputed), W's are the weight gradients of the layer's matmuls, and
-  the stash holds activations (leading with the layers and the batch), never a copy of the weights."""
+  the stash holds activations (leading with the layers), never a copy of the weights."""
   mesh, backward, args, n = chunk_backward(name, *overrides)
   with jax.set_mesh(mesh):
     closed = jax.make_jaxpr(backward)(*args)
@@ -78,5 +78,43 @@ def test_b_and_w_equal_the_whole_backward_and_compute_each_matmul_once(name, ove
       np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=1e-5, atol=1e-6)
     total, b_dots = count_dots(backward, *args), count_dots(split.b, *args)
     assert count_dots(split.w, stash, *args[1:1 + n]) == w_dots == total - b_dots
-  layers, batch = args[1].shape[0], args[0].shape[0]
-  assert all(a.shape[:2] == (layers, batch) for a in jax.tree.leaves(stash))
+  layers = args[1].shape[0]
+  weights = {a.shape[1:] for a in args[1:1 + n]}
+  for a in jax.tree.leaves(stash):
+    per_layer = a.shape[1:]
+    if a.ndim > 2 and a.shape[1] == 1:  # a residual of the experts' shard_map: one block per device
+      per_layer = a.shape[2:]
+    assert a.shape[0] == layers and per_layer not in weights, a.shape
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_shard_map_splits_into_a_b_and_a_w_shard_map(check_vma):
+  """A backward through a shard_map (two matmuls, the second's output summed over "y", as a tensor-parallel MLP
+  runs): b's shard_map gives the input's cotangent, W's the two weight gradients from the per-device stash,
+  equal to the whole vjp's, with and without JAX's varying-axes types (tokamax's kernels run without)."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  def body(x, w1, w2):
+    return jax.lax.psum(jnp.tanh(x @ w1) @ w2, "y")
+
+  def backward(x, w1, w2, g):
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "y"), P("y", None)), out_specs=P("x"),
+                      check_vma=check_vma)
+    _, pull = jax.vjp(f, x, w1, w2)
+    return list(pull(g))
+
+  keys = jax.random.split(jax.random.key(2), 4)
+  args = [jax.random.normal(k, s) for k, s in zip(keys, [(8, 6), (6, 4), (4, 6), (8, 6)])]
+  with jax.set_mesh(mesh):
+    closed = jax.make_jaxpr(backward)(*args)
+    split = wsplit.split(closed, [True, False, False], w_args=(1, 2))
+    assert split.b_outputs == [0] and split.w_outputs == [1, 2]
+    b_out, stash = jax.jit(split.b)(*args)
+    w_out = jax.jit(split.w)(stash, *args[1:3])
+    whole = jax.jit(backward)(*args)
+    for got, want in zip(b_out + w_out, whole):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # the forward's output product, which nothing reads, runs in neither
+    assert count_dots(split.w, stash, *args[1:3]) == 2 and count_dots(split.b, *args) == count_dots(
+        backward, *args) - 2 - 1

@@ -185,8 +185,10 @@ def _swiglu_blocks(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
 
 def _zero(*arrays) -> jax.Array:
   """A scalar 0 that varies over every manual mesh axis any of `arrays` varies over (inside shard_map, operands,
-  the two branches of a cond and a scan's carry must agree on that)."""
-  return sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in arrays)
+  the two branches of a cond and a scan's carry must agree on that). No gradient flows back through it: the
+  empty sums would tie each operand's cotangent to the others' (an input's to the weights'), which would keep a
+  zero-bubble pipeline's W from running apart from its b."""
+  return jax.lax.stop_gradient(sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in arrays))
 
 
 def _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
@@ -200,30 +202,48 @@ def _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
 
 
 def _swiglu_blocks_bwd(residuals, dy_NnD):
-  """Recomputes each block's hidden activations (nothing per block is stored) and accumulates each expert's
-  weight gradients in place."""
+  """Two loops over the blocks: the first recomputes each block's hidden activations and gives the input's
+  cotangent, with the hidden cotangents and activations the weight gradients need; the second accumulates each
+  expert's weight gradients in place from those. Each matmul runs once; a zero-bubble pipeline's W
+  (sharding/wsplit.py) runs the second loop apart from the first."""
   x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD = residuals
   zero = _zero(dy_NnD, x_NnD)  # dy may vary over fewer axes than the operands
+  blocks = jnp.arange(x_NnD.shape[0])
 
-  def block(grads, inputs):
+  def input_block(_, inputs):
     x_nD, dy_nD, e, i = inputs
 
-    def backward(dw_gate, dw_up, dw_down):
+    def backward():
       gate_nm, up_nm = x_nD @ w_gate_EDm[e], x_nD @ w_up_EDm[e]
       sig_nm = jax.nn.sigmoid(gate_nm)
       act_nm = gate_nm * sig_nm
       dh_nm = dy_nD @ w_down_EmD[e].T
       dup_nm = dh_nm * act_nm
       dgate_nm = dh_nm * up_nm * sig_nm * (1 + gate_nm * (1 - sig_nm))
-      grads = (dw_gate.at[e].add((x_nD.T @ dgate_nm).astype(dw_gate.dtype)),
-               dw_up.at[e].add((x_nD.T @ dup_nm).astype(dw_up.dtype)),
-               dw_down.at[e].add(((act_nm * up_nm).T @ dy_nD).astype(dw_down.dtype)))
-      return grads, (dgate_nm @ w_gate_EDm[e].T + dup_nm @ w_up_EDm[e].T).astype(x_nD.dtype)
+      dx_nD = (dgate_nm @ w_gate_EDm[e].T + dup_nm @ w_up_EDm[e].T).astype(x_nD.dtype)
+      return dx_nD, dgate_nm, dup_nm, act_nm * up_nm
 
-    return jax.lax.cond(i < used, backward, lambda *g: (g, jnp.zeros_like(x_nD) + zero.astype(x_nD.dtype)), *grads)
+    def skipped():
+      m = w_gate_EDm.shape[-1]
+      hidden = jnp.zeros((x_nD.shape[0], m), jnp.result_type(x_nD, w_gate_EDm)) + zero.astype(x_nD.dtype)
+      return jnp.zeros_like(x_nD) + zero.astype(x_nD.dtype), hidden, hidden, hidden
+
+    return None, jax.lax.cond(i < used, backward, skipped)
+
+  _, (dx_NnD, dgate_Nnm, dup_Nnm, h_Nnm) = jax.lax.scan(input_block, None, (x_NnD, dy_NnD, expert_N, blocks))
+
+  def weight_block(grads, inputs):
+    x_nD, dy_nD, dgate_nm, dup_nm, h_nm, e, i = inputs
+
+    def add(dw_gate, dw_up, dw_down):
+      return (dw_gate.at[e].add((x_nD.T @ dgate_nm).astype(dw_gate.dtype)),
+              dw_up.at[e].add((x_nD.T @ dup_nm).astype(dw_up.dtype)),
+              dw_down.at[e].add((h_nm.T @ dy_nD).astype(dw_down.dtype)))
+
+    return jax.lax.cond(i < used, add, lambda *g: g, *grads), None
 
   zeros = tuple(jnp.zeros_like(w) + zero.astype(w.dtype) for w in (w_gate_EDm, w_up_EDm, w_down_EmD))
-  grads, dx_NnD = jax.lax.scan(block, zeros, (x_NnD, dy_NnD, expert_N, jnp.arange(x_NnD.shape[0])))
+  grads, _ = jax.lax.scan(weight_block, zeros, (x_NnD, dy_NnD, dgate_Nnm, dup_Nnm, h_Nnm, expert_N, blocks))
   return (dx_NnD, None, None, *grads)
 
 

@@ -12,14 +12,15 @@ Equations that compute both kinds of outputs are split inside:
 - `scan` (the layer loop, a loop inside a backward): the carries b needs run in a b loop that also emits, per
   iteration, the values the W loop reads; the other carries and outputs run in a W loop over those;
 - `jit`, `checkpoint` (a call, remat): their inner jaxpr is split in place (inlined: nothing is
-  differentiated again, so inlining changes no value).
+  differentiated again, so inlining changes no value);
+- `shard_map` (the MoE dispatch): a b shard_map and a W shard_map over the same mesh axes; b's returns each
+  inner residual as one block per device, W's takes it back (`_ShardMapSplit`).
 
-Any other equation (a `shard_map`, `cond`, a custom kernel) runs whole in b; a weight gradient it computes
-is returned by b at once (`Split.b_outputs` lists it), not stashed: exact, but that part's weight gradients
-cost b's time (the routed experts', whose dispatch is a `shard_map`). Cheap layout ops on what W is given again
-(a weight's cast or transpose, `REDO`) are redone in W rather than stashed, and a loop output that is one of
-its stacked inputs passed through (a layer's weights handed from the forward scan to the backward) is read as
-that input.
+Any other equation (a `cond`, a custom kernel) runs whole in b; a weight gradient it computes is returned by b
+at once (`Split.b_outputs` lists it), not stashed: exact, but that part's weight gradients cost b's time.
+Cheap layout ops on what W is given again (a weight's cast or transpose, `REDO`) are redone in W rather than
+stashed, and a loop output that is one of its stacked inputs passed through (a layer's weights handed from the
+forward scan to the backward) is read as that input.
 
     split = split(closed_jaxpr, b_outputs, w_args)  # b_outputs: one bool per output; w_args: weights' indices
     b_values, stash = split.b(*args)                # the outputs split.b_outputs names, and the residuals
@@ -37,7 +38,7 @@ from jax.extend import core as jcore
 
 # layout and dtype ops W redoes from what it reads anyway instead of stashing their outputs
 REDO = ("convert_element_type", "transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy",
-        "copy_p", "sharding_constraint", "slice")
+        "copy_p", "sharding_constraint", "slice", "pvary")
 INLINE = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
 
 
@@ -66,7 +67,7 @@ class _Plan:
   """The split of one jaxpr: which equations run in b, in W, or split, and the vars W reads from b."""
 
   def __init__(self, jaxpr: jcore.Jaxpr, want_b: Sequence[bool], w_free: set, b_missing: set = frozenset()):
-    """want_b: per outvar, whether b returns it; w_free: vars W may read without b (invars W is given again,
+    """want_b: per outvar, whether b returns it (True), W (False) or nobody (None); w_free: vars W may read without b (invars W is given again,
     constvars); b_missing: invars b is not given (a loop's carries that only W runs)."""
     self.jaxpr = jaxpr
     outs = list(jaxpr.outvars)
@@ -103,7 +104,7 @@ class _Plan:
           _literal(v) or v in avail for v in part.eqn.invars):
         avail |= set(part.eqn.outvars)
         part.dup = None  # a candidate
-    need_w = {v for v, b in zip(outs, want_b) if not b and not _literal(v)}
+    need_w = {v for v, b in zip(outs, want_b) if b is False and not _literal(v)}
     for part in reversed(parts):  # W: what its outputs need that b did not compute
       if part.side == "b":
         if part.dup is None and any(v in need_w for v in part.eqn.outvars):
@@ -127,11 +128,14 @@ class _Plan:
     # outputs for W that b computes anyway (a weight gradient inside an equation run whole in b): b returns
     # them at once rather than stash them
     self.early = [i for i, (v, b) in enumerate(zip(outs, want_b))
-                  if not b and (_literal(v) or (v in have_b and v not in produced_w))]
-    need_w -= {outs[i] for i in self.early}
+                  if b is False and (_literal(v) or (v in have_b and v not in produced_w))]
+    # (an early output W's own equations read too stays a residual)
+    read_w = {v for p in parts if p.side == "w" or p.dup for v in p.eqn.invars if not _literal(v)}
+    read_w |= {v for p in parts if p.side == "split" and any(p.sub.want_w) for v in p.sub.w_inputs()}
+    need_w -= {outs[i] for i in self.early} - read_w
     self.residuals = [v for v in _ordered(need_w, jaxpr)
                       if v not in produced_w and v in have_b and v not in w_free and v not in self.aliases]
-    self.w_outs = [i for i, b in enumerate(want_b) if not b and i not in self.early]
+    self.w_outs = [i for i, b in enumerate(want_b) if b is False and i not in self.early]
 
   def b_inputs(self) -> list:
     """The vars of this jaxpr's scope that b reads (its invars and constvars among them)."""
@@ -144,12 +148,17 @@ class _Plan:
   def b_returns(self) -> list[bool]:
     """Per output, whether b returns it (those asked for, and the early ones)."""
     early = set(self.early)
-    return [b or i in early for i, b in enumerate(self.want_b)]
+    return [bool(b) or i in early for i, b in enumerate(self.want_b)]
 
   def w_reads(self) -> set:
     read = {v for p in self.parts if p.side == "w" or p.dup for v in p.eqn.invars if not _literal(v)}
     read |= {v for p in self.parts if p.side == "split" and any(p.sub.want_w) for v in p.sub.w_inputs()}
     return read | {v for i in self.w_outs for v in [self.jaxpr.outvars[i]] if not _literal(v)}
+
+  def stash_varying(self) -> list:
+    """Per leaf of `run_b`'s stash (the same nesting), the manual mesh axes it varies over."""
+    return [[_varying(v) for v in self.residuals],
+            [p.sub.stash_varying() for p in self.parts if p.side == "split"]]
 
   def run_b(self, env: dict) -> list:
     """Runs b's equations in `env` (vars → values); returns the residuals: this scope's, then each split
@@ -222,7 +231,25 @@ def _sub_plan(eqn, used: list[bool], w_free: set):
     return _CallSplit(eqn, used, w_free)
   if name == "scan":
     return _ScanSplit(eqn, used)
+  if name == "shard_map" and _plain_manual(eqn):
+    return _ShardMapSplit(eqn, used, w_free)
   return None
+
+
+def _varying(v) -> frozenset:
+  """The manual mesh axes a value varies over (empty outside a shard_map or without its varying-axes check)."""
+  mat = getattr(v.aval, "manual_axis_type", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _plain_manual(eqn) -> bool:
+  """A shard_map whose values carry no unreduced or reduced types (what its split can hand across)."""
+  j, _ = _inner(eqn)
+  for v in list(j.invars) + [v for e in j.eqns for v in e.outvars]:
+    mat = getattr(v.aval, "manual_axis_type", None)
+    if mat is not None and (mat.unreduced or mat.reduced):
+      return False
+  return {"mesh", "in_specs", "out_specs", "check_vma"} <= set(eqn.params)
 
 
 class _CallSplit:
@@ -233,8 +260,8 @@ class _CallSplit:
     self.inner, self.consts = _inner(eqn)
     self.want = list(used)
     self.want_w = [not u for u in used]
-    free = {i for i, o in zip(self.inner.invars, eqn.invars) if _literal(o) or o in w_free}
-    self.plan = _Plan(self.inner, used, set(self.inner.constvars) | free)
+    # W is given every operand it reads (the enclosing plan stashes those b computed, once, at its level)
+    self.plan = _Plan(self.inner, used, set(self.inner.constvars) | set(self.inner.invars))
     self.want = self.plan.b_returns
     self.want_w = [not u for u in self.want]
 
@@ -246,7 +273,10 @@ class _CallSplit:
 
   def restrict_w(self, w_outs):
     self.want_w = [w and not u for w, u in zip(w_outs, self.want)]
-    # the inner plan computes every output b does not; W reads only what the wanted ones need (its DCE)
+    # planned again for the outputs W is asked for, so that nothing is stashed for an output no one reads (b's
+    # part, and what it returns, stay as they were)
+    self.plan = _Plan(self.inner, [True if u else (False if w else None) for u, w in zip(self.want, self.want_w)],
+                      set(self.inner.constvars) | set(self.inner.invars))
 
   def w_inputs(self):
     return self._outer(self.plan.w_reads())
@@ -257,6 +287,9 @@ class _CallSplit:
       if _literal(o) or o in env:
         e[i] = _read(env, o)
     return e
+
+  def stash_varying(self):
+    return self.plan.stash_varying()
 
   def run_b(self, env):
     e = self._env(env)
@@ -303,6 +336,9 @@ class _ScanSplit:
     self.want_w = [not u for u in want]
     # per iteration, what the W loop reads from the b loop (consts and xs it reads itself)
     self.stacked = list(plan.residuals)
+
+  def stash_varying(self):
+    return self.plan.stash_varying()  # stacked over the iterations: the same axes
 
   def b_inputs(self):
     read = set(self.plan.b_inputs())
@@ -374,6 +410,74 @@ class _ScanSplit:
         env[self.eqn.outvars[k]] = c
     for k, y in zip(w_ys, ys):
       env[self.eqn.outvars[k]] = y
+
+
+class _ShardMapSplit(_CallSplit):
+  """A shard_map split into a b shard_map and a W shard_map over the same mesh axes: b returns, beside its
+  outputs, each residual of the inner plan as one block per device (a leading axis of 1, laid over the manual
+  axes it varies over, so a value the devices share is kept once), which W's shard_map takes back with the same
+  spec. The routed experts' weight gradients (their grouped matmuls, inside the dispatch's shard_map) run in W so."""
+
+  def __init__(self, eqn, used: list[bool], w_free: set):
+    super().__init__(eqn, used, w_free)
+    p = eqn.params
+    self.mesh, self.check = p["mesh"], p["check_vma"]
+    self.manual = frozenset(p.get("newly_manual_axes") or p.get("axis_names") or p["mesh"].axis_names)
+
+  def _stash(self):
+    """(the inner stash's tree, each leaf's spec on its leading per-device axis, the axes it varies over
+    outside); with the varying-axes check a spec names exactly the manual axes the leaf varies over, without
+    it every device keeps its own block."""
+    leaves, tree = jax.tree.flatten(self.plan.stash_varying(), is_leaf=lambda x: isinstance(x, frozenset))
+    axes = [(v & self.manual) if self.check else self.manual for v in leaves]
+    specs = [jax.sharding.PartitionSpec(tuple(a for a in self.mesh.axis_names if a in ax) or None) for ax in axes]
+    return tree, specs, [v - self.manual for v in leaves]
+
+  def stash_varying(self):
+    return self._stash()[2]
+
+  def _map(self, fn, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
+                         axis_names=set(self.manual), check_vma=self.check)
+
+  def run_b(self, env):
+    p, inner = self.eqn.params, self.inner
+    read = set(self.plan.b_inputs())
+    idx = [k for k, i in enumerate(inner.invars) if i in read and not _literal(self.eqn.invars[k])]
+    outs = [k for k, u in enumerate(self.want) if u]
+
+    def body(*args):
+      e = self._env({})
+      e.update((inner.invars[k], a) for k, a in zip(idx, args))
+      stash = jax.tree.leaves(self.plan.run_b(e))
+      return [_read(e, inner.outvars[k]) for k in outs], [x[None] for x in stash]
+
+    got, stash = self._map(body, [p["in_specs"][k] for k in idx],
+                           ([p["out_specs"][k] for k in outs], self._stash()[1]))(
+        *[_read(env, self.eqn.invars[k]) for k in idx])
+    for k, v in zip(outs, got):
+      env[self.eqn.outvars[k]] = v
+    return stash
+
+  def run_w(self, env, stash):
+    p, inner = self.eqn.params, self.inner
+    read = self.plan.w_reads()
+    idx = [k for k, i in enumerate(inner.invars) if i in read and not _literal(self.eqn.invars[k])]
+    outs = [k for k, u in enumerate(self.want_w) if u]
+    if not outs:
+      return
+
+    def body(leaves, *args):
+      e = self._env({})
+      e.update((inner.invars[k], a) for k, a in zip(idx, args))
+      self.plan.run_w(e, jax.tree.unflatten(tree, [x[0] for x in leaves]))
+      return tuple(_read(e, inner.outvars[k]) for k in outs)
+
+    tree, specs, _ = self._stash()
+    got = self._map(body, [specs] + [p["in_specs"][k] for k in idx], [p["out_specs"][k] for k in outs])(
+        list(stash), *[_read(env, self.eqn.invars[k]) for k in idx])
+    for k, v in zip(outs, got):
+      env[self.eqn.outvars[k]] = v
 
 
 @dataclasses.dataclass
