@@ -1,7 +1,7 @@
 """Pipeline schedule cost: step time and compiled temp memory against microbatches and repeats, with the bubble.
 
   python benchmarks/bench_pipeline.py [--stages 4] [--micro 1 2 4 8 16] [--repeats 1 2]
-                                      [--schedules gpipe 1f1b zb_h1 zbv dualpipev]
+                                      [--schedules gpipe 1f1b zb_h1 zbv dualpipev zbv-kept ...]
                                       [--batch 32] [--seq 128]
 
 A dense model of 8 layers (DeepSeek LLM layout, hidden 256) on --stages simulated CPU devices, mesh
@@ -12,7 +12,9 @@ chunks a stage on a V, whatever --repeats says), microbatch count M and repeats 
 after a warm-up, the compiled step's temp memory per device (XLA's memory_analysis), the bubble of the table the
 step runs (F = 1, B = 2; F = b = W = 1 when split) beside its formula ((S − 1)/(R·M + S − 1) for 1F1B when S
 divides M, (S − 1)/(3M + S − 1) for ZB-H1, (S − 1)/(6M + S − 1) on the V), and what a stage keeps (stage inputs,
-cotangents, stashes for W). The simulated devices share this machine's cores, so a step costs the work of every
+cotangents, stashes for W, and forward residuals for b). A "-kept" suffix (zb_h1-kept, zbv-kept, dualpipev-kept)
+runs the schedule with train.pipeline_recompute=false: F keeps the forward's residuals, b does not recompute
+the forward, and the table is the unit order (F = b = W = 1). The simulated devices share this machine's cores, so a step costs the work of every
 stage whatever the bubble: the split's cost shows as the ratio of a zero-bubble schedule's step time to 1F1B's
 (1F1B and the zero-bubble tables also recompute each chunk's forward in its backward: about 4/3 of the work).
 """
@@ -50,12 +52,14 @@ def main() -> None:
   model = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=args.layers,
                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
 
-  def measure(stages: int, micro: int, repeats: int = 1, schedule: str = "gpipe") -> tuple[float, float]:
+  def measure(stages: int, micro: int, repeats: int = 1, schedule: str = "gpipe",
+              recompute: bool = True) -> tuple[float, float]:
     cfg = common.config_lib.from_dict({"model": model, "mesh": {"pipeline": stages, "data": 1},
                                        "data": {"source": "synthetic"},
                                        "train": {"batch_size": args.batch, "seq_len": args.seq,
                                                  "microbatches": micro, "pipeline_repeats": repeats,
-                                                 "pipeline_schedule": schedule, "steps": 100}})
+                                                 "pipeline_schedule": schedule, "steps": 100,
+                                                 "pipeline_recompute": recompute}})
     mesh = make_mesh(cfg, jax.devices()[:stages])
     trainer, state = step_lib.init_state(cfg, mesh)
     batches = global_batches(cfg, mesh)
@@ -81,19 +85,23 @@ def main() -> None:
         f"{'vs 1 dev':>9} {'temp MiB/dev':>13}")
   fixed = {"dualpipev": 2, "zbv": 2, "zb_h1": 1}  # chunks a stage these schedules run
   for kind in args.schedules:
+    recompute = not kind.endswith("-kept")
+    kind = kind.removesuffix("-kept")
     for repeats in ([fixed[kind]] if kind in fixed else args.repeats):
       schedule = {"gpipe": "gpipe", "1f1b": "1f1b" if repeats == 1 else "interleaved_1f1b"}.get(kind, kind)
       for micro in args.micro:
-        step, temp = measure(S, micro, repeats, schedule)
+        step, temp = measure(S, micro, repeats, schedule, recompute)
         kept = "-"
         if kind == "gpipe":
           bubble = formula = bubble_fraction(S, micro, repeats)
         else:
-          table = schedules.table(schedule, S, micro, repeats)
+          table = schedules.table(schedule, S, micro, repeats, recompute=recompute)
           bubble = table.bubble()
           formula = zb_bubble(kind, S, micro) if table.split else bubble_fraction(S, micro, repeats)
           kept = f"{table.slots}/{table.grad_slots}/{table.stash_slots}"
+          kept += f"/{table.residual_slots}" if table.residual_slots else ""
         name = schedule if repeats == 1 or kind != "gpipe" else "circular"
+        name += "" if recompute else "-kept"
         print(f"{name:>17} {S:>2} {repeats:>2} {micro:>3} {100 * bubble:>6.1f}% {100 * formula:>7.1f}% {kept:>11} "
               f"{step:>7.3f} {step / base_time:>8.2f}x {temp / 2**20:>13.1f}", flush=True)
         common.append_result(args.results or common.RESULTS, dict(

@@ -223,6 +223,10 @@ class TrainConfig:
   # zb_h1 / zbv: the most stashes (what a W reads, kept from its b) a stage keeps; fewer cost memory, more fill
   # bubbles. 0: zbv S (pipeline stages), zb_h1 the fewest its fastest order needs
   pipeline_stashes: int = 0
+  # zb_h1 / zbv / dualpipev: true, b recomputes the chunk's forward from its kept input (1F1B's memory, b costs
+  # two forwards); false, F keeps the forward's residuals for b (F = b = W, the orders' unit bubbles, a chunk's
+  # activations kept per microbatch in flight)
+  pipeline_recompute: bool = True
   seed: int = 0
   run_dir: str = "runs/default"
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
@@ -539,6 +543,10 @@ def validate(cfg: Config, model_only: bool = False) -> None:
     raise UserError(f"config key train.pipeline_stashes: {t.pipeline_stashes} caps the stashes of zb_h1 and zbv "
                     f"(a count ≥ 1, or 0 for the order's own); train.pipeline_schedule={t.pipeline_schedule} keeps "
                     f"its own, set 0")
+  if not t.pipeline_recompute and t.pipeline_schedule not in ("zb_h1", "zbv", "dualpipev"):
+    raise UserError(f"config key train.pipeline_recompute: false keeps the forward's residuals for the split "
+                    f"backward of zb_h1, zbv and dualpipev; train.pipeline_schedule={t.pipeline_schedule} recomputes, "
+                    f"set true")
   if t.pipeline_schedule in ("1f1b", "zb_h1") and t.pipeline_repeats != 1:
     raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs one chunk per stage, got "
                     f"train.pipeline_repeats={t.pipeline_repeats}; use interleaved_1f1b for several")

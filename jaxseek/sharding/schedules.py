@@ -42,6 +42,7 @@ from jaxseek.sharding.restgrads import RestGrads, used_leaves  # noqa: F401 (sch
 
 LOSS, READ, LATE = 0.3, 0.5, 0.9  # where in a tick a buffer is written or read (the executor's order)
 STASH_WRITE, STASH_READ = 0.6, 0.8  # b writes its stash after the tick's reads; W reads it after that
+RESIDUAL_WRITE = 0.2  # F writes the forward's residuals (train.pipeline_recompute=false) before the loss
 SPLIT = ("zb_h1", "zbv", "dualpipev")  # the train.pipeline_schedule values whose tables split the backward
 V_SHAPED = ("zbv", "dualpipev")  # two chunks a stage on a V (stage s: virtual stages s and 2S − 1 − s)
 
@@ -54,7 +55,9 @@ class Table:
   the loss's cotangent goes, in the tick of a last virtual stage's forward), and per link offset d (a stage s
   sends to s + d mod S) f_in{d} / b_in{d}: the slot an arriving activation or cotangent is stored in. A table
   that splits the backward (`split`) also has b_stash (the slot b's stash goes to) and w_micro / w_chunk /
-  w_stash (the W, and the stash it reads)."""
+  w_stash (the W, and the stash it reads). A split table that keeps the forward's residuals for b
+  (`residual_slots` > 0, train.pipeline_recompute=false) has f_residual / b_residual: the slot F writes them
+  to and b reads them from, for every virtual stage (the first too)."""
 
   stages: int
   microbatches: int
@@ -65,6 +68,7 @@ class Table:
   grad_slots: int  # cotangents waiting for their backward
   links: dict[str, dict[int, tuple[tuple[int, int], ...]]]  # "f" / "b" → offset → (sender, receiver) pairs
   stash_slots: int = 0  # stashes waiting for their W (0: the backward is whole)
+  residual_slots: int = 0  # forward residuals waiting for their b (0: b recomputes the chunk's forward)
 
   ticks = property(lambda self: self.steps["f_micro"].shape[0])
   f_micro = property(lambda self: self.steps["f_micro"])
@@ -78,8 +82,10 @@ class Table:
     """The share of the schedule's time a stage is idle, with `cost` per op ("f", "b", "w"): a tick lasts as long
     as the busiest stage's work in it. By default what the executor runs costs: a forward 1, a whole backward 2
     (1F1B's bubble is the same for any ratio); in a split table b 2 (it recomputes the chunk's forward before
-    the input's cotangent) and W 1 (zero_bubble.RECOMPUTE)."""
-    cost = cost or (zero_bubble.RECOMPUTE if self.split else {"f": 1, "b": 2})
+    the input's cotangent) and W 1 (zero_bubble.RECOMPUTE), or F = b = W = 1 where F keeps the forward's
+    residuals for b (zero_bubble.COST)."""
+    if cost is None:
+      cost = (zero_bubble.COST if self.residual_slots else zero_bubble.RECOMPUTE) if self.split else {"f": 1, "b": 2}
     per_stage = cost["f"] * (self.f_micro >= 0) + cost["b"] * (self.b_micro >= 0)  # [ticks, S]
     if self.split:
       per_stage = per_stage + cost["w"] * (self.steps["w_micro"] >= 0)
@@ -87,20 +93,24 @@ class Table:
     return float(1 - per_stage.sum(axis=0).max() / total)
 
   def kept(self) -> dict[str, int]:
-    """What a stage's buffers hold: stage inputs, cotangents and (split tables) stashes, in chunks."""
-    return {"inputs": self.slots, "cotangents": self.grad_slots, "stashes": self.stash_slots}
+    """What a stage's buffers hold: stage inputs, cotangents, (split tables) stashes and (kept residuals)
+    forward residuals, in chunks."""
+    return {"inputs": self.slots, "cotangents": self.grad_slots, "stashes": self.stash_slots,
+            **({"residuals": self.residual_slots} if self.residual_slots else {})}
 
 
 def for_config(cfg, S: int, R: int) -> Table:
   """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds."""
   t = cfg.train
-  return table(t.pipeline_schedule, S, t.microbatches, R, t.pipeline_stashes)
+  return table(t.pipeline_schedule, S, t.microbatches, R, t.pipeline_stashes, t.pipeline_recompute)
 
 
-def table(name: str, S: int, M: int, R: int, stashes: int = 0) -> Table:
-  """The table of schedule `name` (a train.pipeline_schedule value) for S stages, M microbatches, R rounds."""
+def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool = True) -> Table:
+  """The table of schedule `name` (a train.pipeline_schedule value) for S stages, M microbatches, R rounds;
+  `recompute` (split tables): b recomputes the chunk's forward (orders packed for b costing two), else F keeps
+  the forward's residuals for b (the unit orders, F = b = W = 1)."""
   if name in SPLIT:
-    return from_order(zero_bubble_order(name, S, M, stashes=stashes))
+    return from_order(zero_bubble_order(name, S, M, packed=recompute, stashes=stashes), kept=not recompute)
   return one_f_one_b(S, M, R)
 
 
@@ -156,9 +166,9 @@ def one_f_one_b(S: int, M: int, R: int = 1) -> Table:
   return build(S, M, R, virtual, f_tick, b_tick)
 
 
-def from_order(order: zero_bubble.Order) -> Table:
+def from_order(order: zero_bubble.Order, kept: bool = False) -> Table:
   """The table of a zero-bubble order (sharding/zero_bubble.py): its f, b and W ticks, a whole backward (B) as b
-  and W in one tick."""
+  and W in one tick; `kept`: F keeps the forward's residuals for b."""
   ticks: dict[str, dict] = {"f": {}, "b": {}, "w": {}}
   for t, row in enumerate(order.ticks):
     for s, ops in enumerate(row):
@@ -166,15 +176,16 @@ def from_order(order: zero_bubble.Order) -> Table:
         for k in ("b", "w") if kind == "B" else (kind,):
           ticks[k][m, int(order.virtual[s, r])] = t
   S, R = order.virtual.shape
-  return build(S, order.microbatches, R, order.virtual, ticks["f"], ticks["b"], ticks["w"])
+  return build(S, order.microbatches, R, order.virtual, ticks["f"], ticks["b"], ticks["w"], kept)
 
 
 def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dict,
-          w_tick: dict | None = None) -> Table:
+          w_tick: dict | None = None, kept: bool = False) -> Table:
   """The table of a schedule given when each (microbatch, virtual stage) runs forward and backward (and, with
   `w_tick`, its W: then the backward is b only): checks it (every forward and backward once, after what it
   reads; one of each per stage and tick; a W after its b), then chooses buffer slots (a stage input from its
-  arrival to its backward, a cotangent from its arrival to its backward, a stash from its b to its W)."""
+  arrival to its backward, a cotangent from its arrival to its backward, a stash from its b to its W, and with
+  `kept` the forward's residuals from F to b)."""
   V = S * R
   place = {int(virtual[s, r]): (s, r) for s in range(S) for r in range(R)}
   if sorted(place) != list(range(V)) or set(f_tick) != set(b_tick) or len(f_tick) != M * V or (
@@ -183,8 +194,9 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
   ticks = max([*b_tick.values(), *(w_tick or {}).values()]) + 1
   names = ["f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"]
   names += ["b_stash", "w_micro", "w_chunk", "w_stash"] if w_tick is not None else []
+  names += ["f_residual", "b_residual"] if kept else []
   steps = {name: np.full((ticks, S), -1, np.int32) for name in names}
-  inputs, grads, stashes = ([[] for _ in range(S)] for _ in range(3))  # per stage: (start, end, key)
+  inputs, grads, stashes, residuals = ([[] for _ in range(S)] for _ in range(4))  # per stage: (start, end, key)
   for (m, v), t_f in f_tick.items():
     t_b, (s, r) = b_tick[m, v], place[v]
     sent = f_tick[m, v - 1] if v else None
@@ -196,12 +208,15 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
       if steps[f"{kind}_micro"][t, s] >= 0:
         raise AssertionError(f"two {kind} at stage {s}, tick {t}")
       steps[f"{kind}_micro"][t, s], steps[f"{kind}_chunk"][t, s] = m, r
-    if v:  # virtual stage 0 recomputes its input from the batch
-      inputs[s].append((sent + LATE, t_b + READ, (m, v)))
+    if v:  # virtual stage 0 recomputes its input from the batch; with `kept` b reads the residuals instead
+      inputs[s].append((sent + LATE, (t_f if kept else t_b) + READ, (m, v)))
     grads[s].append((t_f + LOSS if after is None else after + LATE, t_b + READ, (m, v)))
     if w_tick is not None:
       stashes[s].append((t_b + STASH_WRITE, w_tick[m, v] + STASH_READ, (m, v)))
+    if kept:
+      residuals[s].append((t_f + RESIDUAL_WRITE, t_b + READ, (m, v)))
   slot, grad_slot, stash_slot = collections.defaultdict(int, _colour(inputs)), _colour(grads), _colour(stashes)
+  residual_slot = _colour(residuals)
   links = {"f": {}, "b": {}}
   for (m, v), t_f in f_tick.items():
     s, t_b = place[v][0], b_tick[m, v]
@@ -209,6 +224,8 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
     steps["b_slot"][t_b, s], steps["b_grad"][t_b, s] = slot[m, v], grad_slot[m, v]
     if w_tick is not None:
       steps["b_stash"][t_b, s] = steps["w_stash"][w_tick[m, v], s] = stash_slot[m, v]
+    if kept:
+      steps["f_residual"][t_f, s] = steps["b_residual"][t_b, s] = residual_slot[m, v]
     if v == V - 1:
       steps["loss_grad"][t_f, s] = grad_slot[m, v]
     for kind, t, w, table in (("f", t_f, v + 1, slot), ("b", t_b, v - 1, grad_slot)):
@@ -220,7 +237,8 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
         column[t, to] = table[m, w]
   links = {k: {d: tuple(sorted(p)) for d, p in sorted(by.items())} for k, by in links.items()}
   return Table(S, M, R, np.asarray(virtual, np.int32), steps, 1 + max(slot.values(), default=0),
-               1 + max(grad_slot.values()), links, 1 + max(stash_slot.values()) if stash_slot else 0)
+               1 + max(grad_slot.values()), links, 1 + max(stash_slot.values()) if stash_slot else 0,
+               1 + max(residual_slot.values()) if residual_slot else 0)
 
 
 def _colour(intervals: list[list[tuple[float, float, tuple]]]) -> dict:
@@ -308,8 +326,12 @@ class _Stage:
     self.layout = RestGrads(table, rp, used_leaves(first_fn, rp, _at(batch_M, 0)),
                             used_leaves(lambda p, h, mb: post_fn(p, h, mb)[0], rp, y, _at(batch_M, 0)), unsplit)
     self.n_p = len(jax.tree.leaves(self.sp_R))
-    self.b_leaves, self.w_leaves, self.stash_shape = list(range(self.n_p)), [], []
-    if table.split:
+    self.b_leaves, self.w_leaves, self.f_leaves, self.stash_shape, self.residual_shape = (
+        list(range(self.n_p)), [], [], [], [])
+    self.keep = table.split and table.residual_slots > 0
+    if self.keep:
+      self._split_kept()
+    elif table.split:
       self.wsplit = self._split()
       self.b_leaves = [i - 1 for i in self.wsplit.b_outputs[1:]]
       self.w_leaves = [i - 1 for i in self.wsplit.w_outputs]
@@ -341,6 +363,62 @@ class _Stage:
     w_args = [i for i in range(len(args)) if i not in (0, 1 + n_p + n_c + n_side)]  # all but x and g_y
     return wsplit.split(closed, [True] + [False] * n_p, w_args)
 
+  def _split_kept(self) -> None:
+    """F, b and W of one chunk that keeps its forward's residuals (train.pipeline_recompute=false): the chunk's
+    forward and vjp traced once, F what its output and aux need (stashing every value of it the backward reads:
+    the residuals), and the rest split again into b and W. Each equation runs once, in one of the three."""
+    p0, c0, side0 = _at(self.sp_R, 0), _at(self.sc_R, 0), _at(self.side_M, 0)
+    n_p, n_c, n_side = (len(jax.tree.leaves(t)) for t in (p0, c0, side0))
+    trees = jax.tree.structure((p0, c0, side0))
+    cot_tree, self.aux_tree = jax.tree.structure(self.aux_cotangent), jax.tree.structure(self.aux_shape)
+    n_out, g_y_arg = 1 + self.aux_tree.num_leaves, 1 + n_p + n_c + n_side
+
+    def both(x, *rest):
+      p, c, side = jax.tree.unflatten(trees, rest[:n_p + n_c + n_side])
+      g_y, cot = rest[n_p + n_c + n_side], jax.tree.unflatten(cot_tree, rest[n_p + n_c + n_side + 1:])
+      (y, aux), pull = jax.vjp(lambda x, p: self.stage_fn(x, p, c, side), x, p)
+      g_x, g_p = pull((g_y, {k: _cotangent(a, cot.get(k, 0.0)) for k, a in aux.items()}))
+      return [y, *jax.tree.leaves(aux), g_x, *jax.tree.leaves(g_p)]
+
+    args = self._flat(self.x_shape, p0, c0, side0, self.y_shape)
+    abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
+    f = wsplit.split(jax.make_jaxpr(both)(*abstract), [True] * n_out + [False] * (1 + n_p),
+                     [i for i in range(len(args)) if i])  # the rest is given all but x again
+    if n_out in f.b_outputs:
+      raise AssertionError("the chunk input's cotangent does not depend on the output's")
+    self.residual_shape = jax.eval_shape(lambda *a: f.b(*a)[1], *abstract)
+    leaves, self.residual_tree = jax.tree.flatten(self.residual_shape)
+    n_s = len(leaves)
+
+    def rest(*a):
+      return f.w(jax.tree.unflatten(self.residual_tree, a[:n_s]), *a[n_s:])
+
+    rest_args = [*leaves, *[abstract[i] for i in f.w_args]]
+    outs = f.w_outputs  # indices into both's outputs: n_out is the input's cotangent, the weights' after it
+    w = wsplit.split(jax.make_jaxpr(rest)(*rest_args), [k == n_out for k in outs],
+                     [n_s + j for j, i in enumerate(f.w_args) if i != g_y_arg])
+    self.fsplit, self.wsplit, self.n_out, self.n_residual = f, w, n_out, n_s
+    self.f_leaves = [k - n_out - 1 for k in f.b_outputs[n_out:]]
+    self.b_leaves = [outs[j] - n_out - 1 for j in w.b_outputs if outs[j] != n_out]
+    self.w_leaves = [outs[j] - n_out - 1 for j in w.w_outputs]
+    self.stash_shape = jax.eval_shape(lambda *a: w.b(*a)[1], *rest_args)
+
+  def _rest_args(self, residuals, flat):
+    """The arguments of the backward after a kept forward (`_split_kept`): the residuals, then what F's split
+    gives the rest again."""
+    return [*(jax.tree.leaves(residuals) if residuals is not None else [None] * self.n_residual),
+            *[flat[i] for i in self.fsplit.w_args]]
+
+  def forward_kept(self, x, r, m):
+    """F of chunk r on microbatch m, keeping its residuals: (y, aux, residuals, the gradients of `f_leaves`)."""
+    def run(x):
+      flat = self._flat(x, _at(self.sp_R, r), _at(self.sc_R, r), _at(self.side_M, m), _zeros(self.y_shape))
+      outs, residuals = self.fsplit.b(*flat)
+      return outs[0], jax.tree.unflatten(self.aux_tree, outs[1:self.n_out]), residuals, outs[self.n_out:]
+
+    with jax.named_scope("pipeline_forward"):
+      return jax.lax.cond(self.virtual[self.s, r] == 0, lambda: run(self.first(m)), lambda: run(x))
+
   def chunk(self, x, p, r, m):
     return self.stage_fn(x, p, _at(self.sc_R, r), _at(self.side_M, m))
 
@@ -353,11 +431,15 @@ class _Stage:
       return jax.lax.cond(self.virtual[self.s, r] == 0, lambda: self.chunk(self.first(m), _at(self.sp_R, r), r, m),
                           lambda: self.chunk(x, _at(self.sp_R, r), r, m))
 
-  def backward(self, x, r, m, g_y, g_rp):
+  def backward(self, x, r, m, g_y, g_rp, residuals=None):
     """(cotangent of the chunk's input, the chunk's gradients of the leaves `b_leaves`, g_rp plus first_fn's
     gradient on virtual stage 0, the stash W reads (split tables)), the chunk recomputed from its kept input (or
     from the batch): the whole backward, or b of `wsplit`."""
     def chunk_b(x):
+      if self.keep:
+        flat = self._flat(None, _at(self.sp_R, r), _at(self.sc_R, r), _at(self.side_M, m), g_y)
+        outs, stash = self.wsplit.b(*self._rest_args(residuals, flat))
+        return outs[0], outs[1:], stash
       if self.table.split:
         outs, stash = self.wsplit.b(*self._flat(x, _at(self.sp_R, r), _at(self.sc_R, r), _at(self.side_M, m), g_y))
         return outs[0], outs[1:], stash
@@ -384,7 +466,9 @@ class _Stage:
     """W of chunk r on microbatch m: the gradients of the leaves `w_leaves`, from b's stash."""
     with jax.named_scope("pipeline_weights"):
       flat = self._flat(None, _at(self.sp_R, r), _at(self.sc_R, r), _at(self.side_M, m), None)
-      return self.wsplit.w(stash, *[a for i, a in enumerate(flat) if i in self.wsplit.w_args])
+      if self.keep:
+        flat = self._rest_args(None, flat)
+      return self.wsplit.w(stash, *[flat[i] for i in self.wsplit.w_args])
 
   def post_grad(self, y, m, g_rp):
     """The loss of microbatch m after the last virtual stage: (its cotangent, g_rp plus its gradient, stats)."""
@@ -406,6 +490,8 @@ class _Stage:
     summed = jax.eval_shape(lambda: self.summed(_zeros(self.aux_shape)))
     table, x = self.table, self.x_shape
     stash = jax.tree.map(lambda a: jnp.zeros((table.stash_slots, *a.shape), a.dtype), self.stash_shape)
+    residuals = jax.tree.map(lambda a: jnp.zeros((table.residual_slots, *a.shape), a.dtype), self.residual_shape)
+    stash = (stash, residuals)
     return (jnp.zeros((table.slots, *x.shape), x.dtype), jnp.zeros((table.grad_slots, *x.shape), x.dtype), stash,
             _zeros(self.sp_R), self.layout.init(),
             _zeros(self.stats_shape), jax.tree.map(lambda a: jnp.zeros((table.repeats, *a.shape), a.dtype), summed))
@@ -416,13 +502,25 @@ class _Stage:
   def tick(self, carry, t):
     """One tick: the forward, the loss where a microbatch leaves the last virtual stage, the backward (b in a
     split table, its stash kept), W (split tables), then the sends."""
-    buf, grads, stash, g_sp, g_rp, stats, aux_acc = carry
+    buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc = carry
     col = lambda k: self.steps[k][t, self.s]
     fm, fr, fs, bm, br, bs, bg, lg = (col(k) for k in (
         "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"))
     has_f, has_b, has_loss = fm >= 0, bm >= 0, lg >= 0
     fm, fr, fs, bm, br, bs, bg, lg = (jnp.maximum(v, 0) for v in (fm, fr, fs, bm, br, bs, bg, lg))
-    y, aux = jax.lax.cond(has_f, lambda: self.forward(buf[fs], fr, fm), lambda: _zeros((self.y_shape, self.aux_shape)))
+    fres, bres = (jnp.maximum(col(k), 0) for k in ("f_residual", "b_residual")) if self.keep else (0, 0)
+    if self.keep:  # F keeps its residuals (in place, in the branch that runs) for b
+      def run_f(kept):
+        g_sp, res = kept
+        y, aux, new, early = self.forward_kept(buf[fs], fr, fm)
+        res = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, fres, 0), res, new)
+        return (y, aux), self._accumulate(g_sp, fr, self.f_leaves, early), res
+
+      (y, aux), g_sp, res = jax.lax.cond(has_f, run_f, lambda kept: (_zeros((self.y_shape, self.aux_shape)), *kept),
+                                         (g_sp, res))
+    else:
+      y, aux = jax.lax.cond(has_f, lambda: self.forward(buf[fs], fr, fm),
+                            lambda: _zeros((self.y_shape, self.aux_shape)))
     aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
                            self.summed(aux))
     # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
@@ -439,7 +537,8 @@ class _Stage:
 
     def run_b(kept):
       g_sp, g_rp, stash = kept
-      g_x, g_early, g_rp, new = self.backward(buf[bs], br, bm, grads[bg], g_rp)
+      g_x, g_early, g_rp, new = self.backward(buf[bs], br, bm, grads[bg], g_rp,
+                                              _at(res, bres) if self.keep else None)
       stash = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, bst, 0), stash, new)
       return g_x, self._accumulate(g_sp, br, self.b_leaves, g_early), g_rp, stash
 
@@ -449,7 +548,7 @@ class _Stage:
       g_sp = jax.lax.cond(has_w, lambda g: self._accumulate(g, wr, self.w_leaves,
                                                             self.weights(_at(stash, wst), wr, wm)), lambda g: g, g_sp)
     buf, grads = self.send("f", y, buf, t), self.send("b", g_xb, grads, t)
-    return (buf, grads, stash, g_sp, g_rp, stats, aux_acc), None
+    return (buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc), None
 
   def _accumulate(self, g_sp, r, leaves: list[int], values: list):
     """g_sp with `values` (the gradients of the chunk's leaves `leaves`) added to chunk r's."""
