@@ -59,6 +59,7 @@ def test_pipelined_training_equals_single_device(name, layers, mesh, micro):
 ONE_F_ONE_B, INTERLEAVED = "train.pipeline_schedule=1f1b", "train.pipeline_schedule=interleaved_1f1b"
 DUALPIPEV = ("train.pipeline_schedule=dualpipev", "train.pipeline_repeats=2")
 ZBV, ZB_H1 = ("train.pipeline_schedule=zbv", "train.pipeline_repeats=2"), "train.pipeline_schedule=zb_h1"
+KEEP = "train.pipeline_recompute=false"
 
 
 # Seeds: with some seeds a near-tie in a tiny model's routing (or, dense, float32 rounding over 5 steps) is
@@ -79,9 +80,12 @@ ZBV, ZB_H1 = ("train.pipeline_schedule=zbv", "train.pipeline_repeats=2"), "train
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2", *ZBV), 4, ()),
     ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", *DUALPIPEV), 8, ("train.seed=3",)),
     ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.expert=2", ZB_H1), 8, ()),
+    # F keeps the forward's residuals for b (the unit orders)
+    ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", *ZBV, KEEP), 8, ("train.seed=1",)),
+    ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2", ZB_H1, KEEP), 4, ()),
 ], ids=["v3-p4-m8-1f1b", "dense5-p2-r2-m4-interleaved-padded", "v3-p4-r2-m8-interleaved", "dense-p4-m4-dualpipev",
         "dense-p4-m8-zbv", "dense-p2t2-m4-zb_h1", "v3-p2e2t2-m4-mtp-dualpipev", "v3-p2e2t2-m4-zbv",
-        "v3-p4-m8-dualpipev", "v3-p4e2-m8-zb_h1"])
+        "v3-p4-m8-dualpipev", "v3-p4e2-m8-zb_h1", "dense-p4-m8-zbv-kept", "v3-p2e2t2-m4-zb_h1-kept"])
 def test_memory_bounded_schedules_equal_single_device(name, layers, mesh, micro, model):
   """1F1B, interleaved 1F1B and the zero-bubble tables (ZB-H1, ZB-V, DualPipeV: b and W split): losses, gradient
   norms, per-layer expert loads and bias ranges over 5 steps equal the single-device run's."""
@@ -178,6 +182,8 @@ def test_pipeline_longer_than_every_stack_is_refused():
     load_config("tiny-v3", "train.pipeline_schedule=dualpipev")
   with pytest.raises(UserError, match="train.pipeline_stashes: 2 caps the stashes of zb_h1 and zbv"):
     load_config("tiny-v3", "train.pipeline_schedule=1f1b", "train.pipeline_stashes=2")
+  with pytest.raises(UserError, match="train.pipeline_recompute: false keeps the forward's residuals"):
+    load_config("tiny-v3", "train.pipeline_schedule=1f1b", "train.pipeline_recompute=false")
   cfg = load_config("tiny-v3", "mesh.pipeline=2", "mesh.data=4", "model.num_hidden_layers=7", *DUALPIPEV)
   with pytest.raises(UserError, match="its 6 layers on 2 stages make one chunk a stage; choose mesh.pipeline"):
     step_lib.make_trainer(cfg, make_mesh(cfg))  # 6 MoE layers: 3 a stage, not two chunks
@@ -366,6 +372,31 @@ def test_zero_bubble_tables():
   with pytest.raises(AssertionError, match="before its input"):  # the checker refuses a backward run too early
     schedules.build(2, 1, 1, np.array([[0], [1]]), {(0, 0): 0, (0, 1): 1}, {(0, 0): 1, (0, 1): 1})
 
+
+
+def test_tables_that_keep_the_forward_residuals_run_the_unit_orders():
+  """train.pipeline_recompute=false: b does not recompute the chunk's forward, so the tables are the unit orders
+  (F = b = W = 1) with their bubbles: S = 4, M = 16 ZB-V 3.0%, ZB-H1 and DualPipeV at most 6.5%; S = 8, M = 16
+  ZB-V at most 7.5%. Every virtual stage (the first too) keeps its residuals in a slot from its F to its b, not
+  overwritten before b reads it; the stage inputs are free after F."""
+  limits = {("zbv", 4): 0.035, ("zb_h1", 4): 0.065, ("dualpipev", 4): 0.065, ("zbv", 8): 0.075}
+  for (name, S), limit in limits.items():
+    t = schedules.table(name, S, 16, 1 if name == "zb_h1" else 2, recompute=False)
+    assert t.bubble() <= limit and t.bubble() == t.bubble({"f": 1, "b": 1, "w": 1}), (name, S, t.bubble())
+    assert t.residual_slots > 0 and t.kept()["residuals"] == t.residual_slots
+    for s in range(S):
+      live = set()
+      for k in range(t.ticks):
+        f, b = t.steps["f_micro"][k, s] >= 0, t.steps["b_micro"][k, s] >= 0
+        if f:
+          assert t.steps["f_residual"][k, s] not in live
+          live.add(int(t.steps["f_residual"][k, s]))
+        if b:
+          assert int(t.steps["b_residual"][k, s]) in live
+          live.discard(int(t.steps["b_residual"][k, s]))
+      assert not live
+  recomputing = schedules.table("zbv", 4, 16, 2)
+  assert recomputing.residual_slots == 0 and recomputing.bubble() > 0.09  # packed for b costing two
 
 def test_the_rest_of_the_model_accumulates_its_gradients_where_its_part_runs():
   """Under 1F1B the first part (embedding, layers before the stack) runs on stage 0 and the last (head, MTP) on

@@ -316,6 +316,8 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
         runs.append((chunk, moe, B // M, inner))
         if table.stash_slots:  # zero-bubble: what W reads (the layers' matmul inputs and output cotangents), kept
           runs.append((table.stash_slots * chunk, moe, B // M, inner))  # from b to W, as a backward keeps them
+        if table.residual_slots:  # train.pipeline_recompute=false: each kept forward's residuals, from F to b
+          runs.append((table.residual_slots * chunk, moe, B // M, inner))
       else:
         runs.append((pipeline_lib.num_ticks(S, M, R) * chunk, moe, B // M, inner))
     else:  # under 1F1B the other stack runs per microbatch inside the schedule, before or after

@@ -54,13 +54,16 @@ def print_plan(result: dict[str, Any], out: Console | None = None) -> None:
                 f"({result['mtp_parameters']:,} in multi-token prediction) | mesh {mesh} ({result['devices']} "
                 f"devices) | pipeline: {result['pipeline']}")
   if result.get("pipeline_schedules"):
-    sched = _table("Table schedules on these stages (from the tables the step runs; b recomputes the chunk's forward)",
+    sched = _table("Table schedules on these stages (from the tables the step runs; kept: "
+                   "train.pipeline_recompute=false, F keeps the forward's residuals, else b recomputes the forward)",
                    "schedule", "chunks x layers", "bubble", "at F=b=W=1", "ticks", "inputs", "cotangents",
-                   "stashes", "FLOP / stage")
+                   "stashes", "residuals", "FLOP / stage")
     for r in result["pipeline_schedules"]:
-      sched.add_row(r["schedule"], f"{r['chunks_per_stage']} x {r['layers_per_chunk']}", f"{100 * r['bubble']:.1f}%",
+      name = r["schedule"] + ("" if r.get("recompute", True) else " (kept)")
+      sched.add_row(name, f"{r['chunks_per_stage']} x {r['layers_per_chunk']}", f"{100 * r['bubble']:.1f}%",
                     f"{100 * r['unit_bubble']:.1f}%", str(r["ticks"]), str(r["kept_inputs"]),
-                    str(r["kept_cotangents"]), str(r["kept_stashes"]), f"{r.get('flops_per_stage', 0):.3g}")
+                    str(r["kept_cotangents"]), str(r["kept_stashes"]), str(r.get("kept_residuals", 0)),
+                    f"{r.get('flops_per_stage', 0):.3g}")
     out.print(sched)
   table = _table("Parameters (layer stacks folded: L = layers)", "name", "shape", "dtype", "logical axes",
                  "placement", "bytes / device")

@@ -238,7 +238,8 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   """The table schedules this model's pipelined stack can run on `stages` stages with cfg's microbatches, side
   by side, from the tables the step would run: the bubble under the executor's costs (F = 1, a whole backward 2,
   b 2 and W 1: every table recomputes a chunk's forward in its backward) and at F = b = W = 1 (unit orders, for
-  a backward that would not recompute), the slots a stage keeps (stage inputs, cotangents, stashes for W) with
+  a backward that would not recompute), each split table both ways (`recompute`: train.pipeline_recompute), the
+  slots a stage keeps (stage inputs, cotangents, stashes for W, forward residuals for b) with
   the layers in a chunk, and (with `layer_flops`, a layer's forward FLOPs for one microbatch) the FLOPs a stage
   runs per step, counted per executed op: f one forward, b a forward and the input's gradient, W the weights'
   gradient, a whole backward all three (each matmul's backward costs twice its forward: b and W one each)."""
@@ -251,17 +252,21 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   for schedule, R in TABLE_SCHEDULES:
     if not n or stack_repeats(n, stages, R) != R:
       continue
-    table = schedules.table(schedule, stages, M, R)
-    unit = (schedules.zero_bubble_order(schedule, stages, M, packed=False).bubble() if table.split
-            else table.bubble())
-    chunk = stored_layers(n, stages, R) // (stages * R)
-    ops = {k: int((table.steps[f"{k}_micro"][:, 0] >= 0).sum()) for k in ("f", "b", "w") if f"{k}_micro" in table.steps}
-    per_op = {"f": 1, "b": 2, "w": 1} if table.split else {"f": 1, "b": 3}  # in forwards of a chunk
-    row = {"schedule": schedule, "chunks_per_stage": R, "layers_per_chunk": chunk, "bubble": table.bubble(),
-           "unit_bubble": unit, "ticks": table.ticks, **{f"kept_{k}": v for k, v in table.kept().items()}}
-    if layer_flops is not None:
-      row["flops_per_stage"] = sum(per_op[k] * c for k, c in ops.items()) * chunk * layer_flops
-    rows.append(row)
+    for recompute in (True, False) if schedule in schedules.SPLIT else (True,):
+      table = schedules.table(schedule, stages, M, R, recompute=recompute)
+      unit = (schedules.zero_bubble_order(schedule, stages, M, packed=False).bubble() if table.split
+              else table.bubble())
+      chunk = stored_layers(n, stages, R) // (stages * R)
+      ops = {k: int((table.steps[f"{k}_micro"][:, 0] >= 0).sum()) for k in ("f", "b", "w")
+             if f"{k}_micro" in table.steps}
+      # in forwards of a chunk: b recomputes the forward unless F kept its residuals
+      per_op = {"f": 1, "b": 2 if recompute else 1, "w": 1} if table.split else {"f": 1, "b": 3}
+      row = {"schedule": schedule, "recompute": recompute, "chunks_per_stage": R, "layers_per_chunk": chunk,
+             "bubble": table.bubble(), "unit_bubble": unit, "ticks": table.ticks,
+             **{f"kept_{k}": v for k, v in {"residuals": 0, **table.kept()}.items()}}
+      if layer_flops is not None:
+        row["flops_per_stage"] = sum(per_op[k] * c for k, c in ops.items()) * chunk * layer_flops
+      rows.append(row)
   return rows
 
 
@@ -292,7 +297,12 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
     stash = f" + {table.stash_slots} stashes for W" if table.split else ""
     keeps = (f"{table.slots} microbatch stage inputs + {table.grad_slots} cotangents{stash} kept per stage, layers "
              f"recomputed in the backward; head and loss on the {'first' if v else 'last'} stage")
-    if table.split:
+    if table.residual_slots:
+      keeps = (f"{table.residual_slots} chunks' forward residuals + {table.slots} stage inputs + "
+               f"{table.grad_slots} cotangents{stash} kept per stage (no recomputation); head and loss on the "
+               f"{'first' if v else 'last'} stage")
+      formula = f"of the table run (F=b=W=1; {ZB_FORMULA[name]} = {100 * zb_bubble(name, stages, M):.1f}%)"
+    elif table.split:
       formula = (f"of the table run (F=1, b=2 as it recomputes the forward, W=1; at F=b=W=1 {ZB_FORMULA[name]} = "
                  f"{100 * zb_bubble(name, stages, M):.1f}%)")
     bubble = table.bubble() if table.split else 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 \
