@@ -5,6 +5,8 @@ python -m jaxseek.evaluate --checkpoint PATH --data FOLDER [--tokens N] [--json 
 PATH: a run directory, one of its steps (RUN/checkpoints/40), a converted jaxseek checkpoint or a Hugging Face
 folder. The batches are the ones training evaluates on (eval.source = FOLDER): the first ⌈N / (B·T)⌉ packed
 batches of train.batch_size × train.seq_len (the run's, or the overrides'), so the loss equals the run's eval_loss.
+With eval.holdout=F among the overrides, the held-out share F of FOLDER: the set a run with data.source=FOLDER,
+eval.source=holdout, eval.holdout=F evaluated on. The model runs as the run trained (train.fp8 included).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def summarize(sums: list[dict[str, jax.Array]]) -> dict[str, float]:
   host = jax.device_get(sums)
   total = lambda key: np.sum([np.asarray(s[key], np.float64) for s in host], axis=0)
   tokens = float(total("tokens"))
-  loss = float(total("ce_sum")) / max(tokens, 1.0)
+  loss = float(total("ce_sum")) / tokens if tokens else float("nan")  # eval_batches refuses a set without any
   with np.errstate(over="ignore"):
     perplexity = float(np.exp(np.float64(loss)))
   out = {"eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens}
@@ -97,16 +99,33 @@ def base_config(path: Path) -> config_lib.Config:
 
 
 def eval_run_config(base: config_lib.Config, data: str, tokens: int | None, overrides: list[str]) -> config_lib.Config:
-  """`base` with the overrides, evaluating on `data` (eval.source) for `tokens` (default eval.tokens)."""
+  """`base` with the overrides, evaluating on `data` (eval.source) for `tokens` (default eval.tokens). With an
+  eval.holdout override, on the held-out share of `data` (data.source=`data`, eval.source=holdout), the set a
+  run with that share evaluated on."""
   raw = config_lib.to_dict(base)
+  holdout = 0.0
   for item in overrides:
     section, field, value = config_lib.parse_override(item, "mesh.tensor=2")
     if section == "model":
       raise UserError(f"override {item!r}: the model comes from the checkpoint; override other sections only")
     if section not in raw:
       raise UserError(f"unknown config section {section!r}; valid sections: {', '.join(raw)}")
+    if (section, field) == ("eval", "source"):
+      raise UserError(f"override {item!r}: evaluate reads the folder given with --data; pass it there")
+    if (section, field) in (("data", "source"), ("data", "weights")):
+      raise UserError(f"override {item!r}: evaluate reads the folder given with --data (with eval.holdout=F, "
+                      f"its held-out share F); pass it there")
+    if (section, field) == ("eval", "holdout"):
+      holdout = value
+      continue
     raw[section][field] = value
-  raw["eval"].update(source=data, holdout=0.0, **({"tokens": tokens} if tokens is not None else {}))
+  if holdout:
+    raw["data"].update(source=data, weights=[])
+    raw["eval"].update(source="holdout", holdout=holdout)
+  else:
+    raw["eval"].update(source=data, holdout=0.0)
+  if tokens is not None:
+    raw["eval"]["tokens"] = tokens
   cfg = config_lib.from_dict(raw)
   config_lib.validate(cfg)
   if cfg.mesh.pipeline != 1:
@@ -122,7 +141,8 @@ def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
   mesh = mesh_lib.make_mesh(cfg)
   batches = input_lib.pipeline.eval_batches(cfg, mesh)  # data errors (vocabulary, folder) before the weights load
   with jax.set_mesh(mesh):
-    model = load_pretrained(path, param_dtype=cfg.train.param_dtype, dtype=cfg.train.compute_dtype)
+    model = load_pretrained(path, param_dtype=cfg.train.param_dtype, dtype=cfg.train.compute_dtype,
+                            fp8=cfg.train.fp8)
     graphdef, weights = nnx.split(model)
 
     def forward(weights, batch):

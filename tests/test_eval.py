@@ -210,3 +210,75 @@ def test_a_long_evaluation_on_simulated_devices_finishes(tmp_path, run_env):
   (record,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_loss" in r]
   assert record["eval_tokens"] > 0 and np.isfinite(record["eval_loss"])
   assert load_config("tiny-dense").eval.tokens // (16 * 24) >= 100  # the case this test is about
+
+
+def test_evaluate_reads_the_held_out_share_of_data_and_refuses_other_sources(data):
+  """eval.holdout=F on evaluate's command line: the held-out share F of --data, the same batches a run with
+  that share evaluates on (not silently replaced by the whole folder); eval.source and data.source overrides
+  are refused, naming --data."""
+  from jaxseek.evaluate import eval_run_config
+  from jaxseek.sharding.mesh import make_mesh
+
+  base = load_config("tiny-dense", "data.prefetch=0", "eval.tokens=300")
+  cfg = eval_run_config(base, str(data["train"]), None, ["eval.holdout=0.2"])
+  assert (cfg.eval.source, cfg.eval.holdout, cfg.data.source) == ("holdout", 0.2, str(data["train"]))
+  trained = load_config("tiny-dense", "data.prefetch=0", "eval.tokens=300", f"data.source={data['train']}",
+                        "eval.source=holdout", "eval.holdout=0.2")
+  mesh = make_mesh(cfg)
+  got, want = pipeline.eval_batches(cfg, mesh), pipeline.eval_batches(trained, mesh)
+  assert len(got) == len(want)
+  for a, b in zip(got, want):
+    for key in a:
+      np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+  whole = eval_run_config(base, str(data["train"]), None, [])
+  assert (whole.eval.source, whole.eval.holdout) == (str(data["train"]), 0.0)
+  for item in (f"eval.source={data['eval']}", f"data.source={data['eval']}"):
+    with pytest.raises(UserError, match="--data"):
+      eval_run_config(base, str(data["train"]), None, [item])
+
+
+def test_a_small_eval_set_counts_each_document_once(tmp_path, capsys):
+  """An evaluation set smaller than eval.tokens: the stream repeats it, but each (input, target) pair counts
+  once: eval_tokens is the set's own number of pairs (from its offsets), and a line says so."""
+  from jaxseek.sharding.mesh import make_mesh
+
+  folder = _docs(tmp_path / "small", 4, "s")
+  cfg = load_config("tiny-dense", "data.prefetch=0", f"eval.source={folder}", "eval.tokens=2000")
+  batches = pipeline.eval_batches(cfg, make_mesh(cfg))
+  docs = shards.open_folder(folder, cfg.model.vocab_size)
+  pairs = sum(int((np.diff(np.asarray(o)) - 1).sum()) for o in docs.offsets)
+  counted = sum(float(np.asarray(b["loss_mask"]).sum()) for b in batches)
+  assert len(batches) * cfg.train.batch_size * cfg.train.seq_len >= 2000 > 2 * pairs
+  assert counted == pairs
+  assert "holds fewer token positions than eval.tokens=2,000; each document counts once" in capsys.readouterr().out
+
+
+def test_an_eval_set_without_loss_tokens_is_refused(data, monkeypatch):
+  """A set whose targets are all masked (prepare refuses to write one; an older or hand-made folder can be so):
+  evaluation refuses it instead of reporting loss 0 and perplexity 1."""
+  from jaxseek.sharding.mesh import make_mesh
+
+  real = pipeline._packed_row
+  monkeypatch.setattr(pipeline, "_packed_row", lambda row, **kw: {**real(row, **kw),
+                                                                   "loss_mask": np.zeros(row["tokens"].shape[0],
+                                                                                         np.float32)})
+  cfg = load_config("tiny-dense", "data.prefetch=0", f"eval.source={data['eval']}", "eval.tokens=200")
+  with pytest.raises(UserError, match="has no token the loss counts"):
+    pipeline.eval_batches(cfg, make_mesh(cfg))
+
+
+def test_evaluate_runs_the_model_as_an_fp8_run_trained(data, tmp_path):
+  """train.fp8: the command line's loss equals the run's own eval_loss (the model rounds its MLP inputs to FP8
+  in both), and differs from the same weights run without FP8."""
+  cfg = load_config("tiny-dense", "train.steps=1", "data.prefetch=0", "train.fp8=true", f"data.source={data['train']}",
+                    f"eval.source={data['eval']}", "eval.tokens=300", f"train.run_dir={tmp_path / 'run'}",
+                    "checkpoint.async_save=false")
+  run(cfg)
+  want = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["eval_loss"]
+  results = {}
+  for fp8 in ("true", "false"):
+    out = tmp_path / f"{fp8}.json"
+    assert evaluate_main(["--checkpoint", str(tmp_path / "run"), "--data", str(data["eval"]), "--json", str(out),
+                          f"train.fp8={fp8}"]) == 0
+    results[fp8] = json.loads(out.read_text())["eval_loss"]
+  assert abs(results["true"] - want) <= 1e-6 * want < abs(results["false"] - want) / 10

@@ -31,20 +31,23 @@ from jaxseek.sharding import pipeline, rules
 ITEMS = {"params": nnx.Param, "biases": RouterBias}
 
 
-def load_pretrained(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32") -> Transformer:
+def load_pretrained(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32",
+                    fp8: bool = False) -> Transformer:
   """The model of a Hugging Face folder (config.json + safetensors), a jaxseek checkpoint folder (a run directory
 or a converted checkpoint: its latest step) or one step of it (<dir>/checkpoints/<step>), weights loaded.
 
+  `fp8`: the model rounds its MLP and expert matmul inputs as FP8 training does (train.fp8).
   `model(tokens_BT)` returns float32 logits [B, T, V]. Under `jax.set_mesh(mesh)` every weight is placed
   directly on its shards (the sharding rules of jaxseek.sharding.rules); otherwise on the default device.
   """
   path = Path(path)
   if (path / "config.json").is_file():
-    return from_hf(hf.Folder(path), param_dtype=param_dtype, dtype=dtype)
+    return from_hf(hf.Folder(path), param_dtype=param_dtype, dtype=dtype, fp8=fp8)
   if (path / "config.yaml").is_file():
-    return from_checkpoint(path, param_dtype=param_dtype, dtype=dtype)[0]
+    return from_checkpoint(path, param_dtype=param_dtype, dtype=dtype, fp8=fp8)[0]
   if step_folder(path):
-    return from_checkpoint(path.parent.parent, param_dtype=param_dtype, dtype=dtype, step=int(path.name))[0]
+    return from_checkpoint(path.parent.parent, param_dtype=param_dtype, dtype=dtype, step=int(path.name),
+                           fp8=fp8)[0]
   raise UserError(f"{path} has no config.json (Hugging Face model folder) or config.yaml (jaxseek checkpoint "
                   "folder) and is no checkpoint step (<dir>/checkpoints/<step>); pass the folder that holds one")
 
@@ -63,11 +66,13 @@ def hf_model_config(folder: hf.Folder) -> ModelConfig:
   return hf.model_config(folder.config, (folder.config.get("num_nextn_predict_layers") or 0) if has_mtp else 0)
 
 
-def from_hf(folder: hf.Folder, *, param_dtype: str = "float32", dtype: str = "float32") -> Transformer:
+def from_hf(folder: hf.Folder, *, param_dtype: str = "float32", dtype: str = "float32",
+            fp8: bool = False) -> Transformer:
   """Builds the model of an HF folder and streams its tensors into the Variables, one Variable at a time."""
   cfg = hf_model_config(folder)
   mesh = _active_mesh()
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.build(cfg, param_dtype=param_dtype, dtype=dtype)))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.build(cfg, param_dtype=param_dtype, dtype=dtype,
+                                                                     fp8=fp8)))
   variables = dict(nnx.to_flat_state(state))
   shardings = _shardings(state, mesh)
   es = [e for e in mapping.entries(cfg) if not e.export_only]
@@ -141,7 +146,7 @@ def _not_ocdbt_merge(record: logging.LogRecord) -> bool:
 
 
 def from_checkpoint(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32",
-                    step: int | None = None) -> tuple[Transformer, config_lib.Config, int]:
+                    step: int | None = None, fp8: bool = False) -> tuple[Transformer, config_lib.Config, int]:
   """The model of a jaxseek checkpoint folder at `step` (None: its latest), restored straight onto the active
   mesh."""
   import orbax.checkpoint as ocp
@@ -152,7 +157,7 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32", dtype: st
     raise UserError(f"{path} has config.yaml but no checkpoints/ folder; pass a jaxseek checkpoint folder")
   mesh = _active_mesh()
   graphdef, state = nnx.split(nnx.eval_shape(
-      lambda: model_lib.build(cfg.model, param_dtype=param_dtype, dtype=dtype)))
+      lambda: model_lib.build(cfg.model, param_dtype=param_dtype, dtype=dtype, fp8=fp8)))
   shardings = _shardings(state, mesh)
   with ocp.CheckpointManager(path / "checkpoints") as manager:
     if step is None:

@@ -18,6 +18,7 @@ import sys
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -76,15 +77,32 @@ def eval_config(cfg: Config) -> Config:
 
 def eval_batches(cfg: Config, mesh: Mesh) -> list[dict[str, jax.Array]]:
   """The fixed evaluation set: the first ⌈eval.tokens / (B·T)⌉ global batches of eval.source, packed as training
-  packs (data.seed, from stream position 0), made once as global arrays on the mesh."""
+  packs (data.seed, from stream position 0), made once as global arrays on the mesh. Each chunk counts once: in
+  a set smaller than that, what the stream repeats carries no loss (a line says so). A set with no loss token
+  at all is refused."""
   ecfg = eval_config(cfg)
   B, T = cfg.train.batch_size, cfg.train.seq_len
   shardings = batch_shardings(mesh, cfg)
   layout = data_layout(shardings["inputs"], (B, T))
   docs = open_sources(ecfg, "eval")
-  it = iter(make_dataset(ecfg, layout.shard_index, layout.shard_count, rows=layout.rows, docs=docs))
+  it = iter(make_dataset(ecfg, layout.shard_index, layout.shard_count, rows=layout.rows, docs=docs, once=True))
   local = [next(it) for _ in range(-(-cfg.eval.tokens // (B * T)))]
-  return [{k: jax.make_array_from_process_local_data(shardings[k], b[k], (B, T)) for k in BATCH_KEYS} for b in local]
+  batches = [{k: jax.make_array_from_process_local_data(shardings[k], b[k], (B, T)) for k in BATCH_KEYS}
+             for b in local]
+  tokens = sum(float(jax.jit(jnp.sum)(b["loss_mask"])) for b in batches)
+  if not tokens:
+    raise UserError(f"eval.source {_eval_name(cfg)} has no token the loss counts (every target masked or "
+                    f"padding); evaluate on a folder of text or of chat data with responses")
+  epochs = [len(DocumentChunks(d, T)) for d in docs]
+  if any(int(i) >= epochs[int(src)] for b in local for i, src in zip(b["_index"], b["_source"])) and \
+      jax.process_index() == 0:
+    print(f"eval: {_eval_name(cfg)} holds fewer token positions than eval.tokens={cfg.eval.tokens:,}; each "
+          f"document counts once ({tokens:,.0f} loss tokens)", flush=True)
+  return batches
+
+
+def _eval_name(cfg: Config) -> str:
+  return f"holdout of {cfg.data.source}" if cfg.eval.source == "holdout" else str(cfg.eval.source)
 
 
 def source_seed(seed: int, source: int) -> int:
@@ -102,18 +120,24 @@ def _tag(index: int, tokens: np.ndarray) -> dict:
   return {"tokens": tokens, "index": index}
 
 
-def pack(chunks: grain.IterDataset, seq_len: int, bins: int, source: int = 0) -> grain.IterDataset:
+def pack(chunks: grain.IterDataset, seq_len: int, bins: int, source: int = 0,
+         epoch: int | None = None) -> grain.IterDataset:
   """Chunks → rows of seq_len: first-fit over `bins` rows; segment ids 1, 2, ... per chunk (0 = padding),
-  positions from 0 in each chunk, loss on every (input, target) pair whose weight is 1 and on no padding."""
+  positions from 0 in each chunk, loss on every (input, target) pair whose weight is 1 and on no padding (and,
+  with `epoch`, the number of chunks in one pass, on no chunk the stream repeats)."""
   packed = grain.experimental.FirstFitPackIterDataset(
       chunks, length_struct={"tokens": seq_len}, num_packing_bins=bins, shuffle_bins=False, meta_features=("index",))
-  return packed.map(functools.partial(_packed_row, source=source))
+  return packed.map(functools.partial(_packed_row, source=source, epoch=epoch))
 
 
-def _packed_row(row: dict, source: int) -> dict[str, np.ndarray]:
+def _packed_row(row: dict, source: int, epoch: int | None = None) -> dict[str, np.ndarray]:
   segment_ids = row["tokens_segment_ids"]
+  counted = (segment_ids > 0) & (row["tokens"][:, 2] > 0)
+  if epoch is not None:  # segment k (id k + 1) holds the chunk at stream position index[k]
+    first = np.concatenate([[False], np.asarray(row["index"]).reshape(-1) < epoch])
+    counted &= first[np.minimum(segment_ids, first.size - 1)]
   return {"inputs": row["tokens"][:, 0], "targets": row["tokens"][:, 1],
-          "loss_mask": ((segment_ids > 0) & (row["tokens"][:, 2] > 0)).astype(np.float32),
+          "loss_mask": counted.astype(np.float32),
           "positions": row["tokens_positions"],
           "segment_ids": segment_ids, "_index": np.int64(max(row["index"])), "_source": np.int32(source)}
 
@@ -128,10 +152,12 @@ def _synthetic_rows(batch: dict) -> dict[str, np.ndarray]:
 
 
 def make_dataset(cfg: Config, process_index: int = 0, process_count: int = 1, *, rows: int | None = None,
-                 starts: list[int] | None = None, docs: list[Documents] | None = None) -> grain.IterDataset:
+                 starts: list[int] | None = None, docs: list[Documents] | None = None,
+                 once: bool = False) -> grain.IterDataset:
   """Data shard `process_index` of `process_count`: batches of `rows` (default batch_size / count) packed rows,
   numpy arrays keyed BATCH_KEYS plus, per row, "_index" (the highest stream position it holds) and "_source"
-  (read by state.PipelineIterator). `starts`: per source, the stream position to begin at."""
+  (read by state.PipelineIterator). `starts`: per source, the stream position to begin at. `once`: the loss
+  counts each chunk once (evaluation), none of what the stream repeats."""
   B, T, data = cfg.train.batch_size, cfg.train.seq_len, cfg.data
   if rows is None:
     if B % process_count:
@@ -146,7 +172,8 @@ def make_dataset(cfg: Config, process_index: int = 0, process_count: int = 1, *,
     ds = ds.to_iter_dataset(read)
   else:
     streams = [pack(chunk_stream(d, T, source_seed(data.seed, s), starts[s], process_index, process_count)
-                    .to_iter_dataset(read), T, data.pack_bins, s) for s, d in enumerate(docs)]
+                    .to_iter_dataset(read), T, data.pack_bins, s, len(DocumentChunks(d, T)) if once else None)
+               for s, d in enumerate(docs)]
     ds = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, list(data.weights) or None)
     ds = ds.batch(rows, drop_remainder=True)
   if data.worker_count:
