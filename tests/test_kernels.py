@@ -78,6 +78,27 @@ def test_blocked_attention_skips_masked_causal_blocks():
 
 def test_block_size_divides_the_length():
   assert flash.block_size(48, 16) == 16 and flash.block_size(100, 16) == 10 and flash.block_size(12, 16) == 12
+  # a length without a divisor of at least a quarter block is padded to whole blocks, not cut into 1-row blocks
+  assert flash.blocks(48, 16) == (16, 48) and flash.blocks(100, 16) == (10, 100) and flash.blocks(12, 16) == (12, 12)
+  assert flash.blocks(4099, 512) == (512, 4608) and flash.blocks(53, 16) == (16, 64)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flash_on_a_prime_length_pads_to_whole_blocks_and_equals_dense(packed):
+  """A prime sequence length (53, blocks of 16): the padded keys and queries change nothing, in value and
+  gradient, and the loops run 16-row blocks (4 query blocks), not 53 blocks of one row."""
+  t = 53
+  q, k, v, w = qkv(4, 2, 8, 8, t=t)
+  seg = jnp.asarray(np.concatenate([np.ones((B, 20), np.int32), 2 * np.ones((B, t - 20), np.int32)], 1)) \
+      if packed else None
+  got = value_and_grads(lambda q, k, v: flash.attention(q, k, v, seg, 0.3, block=16), q, k, v, w)
+  assert_same(got, value_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, 0.3), q, k, v, w), 2e-5)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: flash.attention(q, k, v, seg, 0.3, block=16))(q, k, v)
+  lengths = [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  for e in jaxpr.jaxpr.eqns:  # inside the custom_vjp call
+    for inner in [getattr(p, "jaxpr", p) for p in e.params.values()]:
+      lengths += [x.params["length"] for x in getattr(inner, "eqns", []) if x.primitive.name == "scan"]
+  assert lengths == [4]
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -34,6 +34,16 @@ def block_size(length: int, block: int = BLOCK) -> int:
   return max(d for d in range(1, block + 1) if length % d == 0)
 
 
+def blocks(length: int, block: int = BLOCK) -> tuple[int, int]:
+  """(block rows, padded length): the largest divisor of `length` up to `block` when it is at least a quarter
+  of `block`, else `block` rows over `length` padded up to a multiple of it (a length with no good divisor, a
+  prime say, would otherwise run blocks of one row)."""
+  b = block_size(length, block)
+  if 4 * b >= min(block, length):
+    return b, length
+  return block, -(-length // block) * block
+
+
 def attention(q_BTNK: jax.Array, k_BSGK: jax.Array, v_BSGP: jax.Array, segment_ids_BT: jax.Array | None,
               scale: float, key_segment_ids_BS: jax.Array | None = None, query_offset: jax.Array | int = 0,
               block: int = BLOCK) -> jax.Array:
@@ -48,7 +58,12 @@ def attention(q_BTNK: jax.Array, k_BSGK: jax.Array, v_BSGP: jax.Array, segment_i
   else:  # the queries' own ids (keys of the same length), or one segment
     seg_k = seg_q if segment_ids_BT is not None else jnp.zeros((B, S), jnp.int32)
   offset = jnp.asarray(query_offset, jnp.int32)
-  return _flash(q_BTNK, k_BSGK, v_BSGP, seg_q, seg_k, offset, scale, block_size(T, block), block_size(S, block))
+  (bq, Tp), (bk, Sp) = blocks(T, block), blocks(S, block)
+  if (Tp, Sp) != (T, S):  # padded queries and keys: segment ids that match nothing (-1, -2), cut off after
+    pad = lambda a, n, value=0: jnp.pad(a, [(0, 0), (0, n)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
+    q_BTNK, seg_q = pad(q_BTNK, Tp - T), pad(seg_q, Tp - T, -1)
+    k_BSGK, v_BSGP, seg_k = pad(k_BSGK, Sp - S), pad(v_BSGP, Sp - S), pad(seg_k, Sp - S, -2)
+  return _flash(q_BTNK, k_BSGK, v_BSGP, seg_q, seg_k, offset, scale, bq, bk)[:, :T]
 
 
 def _heads(q_BTNK, G):
