@@ -5,6 +5,7 @@ import json
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import grain
 import jax
@@ -320,6 +321,44 @@ def test_prepare_refuses_inputs_without_documents_or_text_and_keeps_prepared_dat
   assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["manifest.json", "shard-00000.index",
                                                                  "shard-00000.tokens"]
 
+
+
+@pytest.mark.parametrize("where", ["manifest", "swap"])
+def test_an_interrupted_overwrite_keeps_the_old_data(tmp_path, monkeypatch, where):
+  """Ctrl-C while --overwrite publishes the new shards (as the manifest is written, or between moving the old
+  folder aside and the new one in): the old prepared data is still there, whole, and reads as before; a file the
+  user kept in the folder survives a finished overwrite."""
+  _unique_docs(tmp_path, "d", 10)
+  (tmp_path / "d" / "NOTES.txt").write_text("mine")
+  before = shards.read_manifest(tmp_path / "d")
+  (tmp_path / "new.txt").write_text("new text")
+  real_write, real_replace = shards.write_manifest, prepare.os.replace
+
+  def interrupted_write(folder, manifest):
+    raise KeyboardInterrupt
+
+  def interrupted_replace(src, dst):
+    if Path(src).name.startswith(".d.partial"):  # the old folder is aside, the new one not yet in
+      raise KeyboardInterrupt
+    return real_replace(src, dst)
+
+  if where == "manifest":
+    monkeypatch.setattr(shards, "write_manifest", interrupted_write)
+  else:
+    monkeypatch.setattr(prepare.os, "replace", interrupted_replace)
+  with pytest.raises(KeyboardInterrupt):
+    prepare.prepare([str(tmp_path / "new.txt")], "byte", tmp_path / "d", overwrite=True, progress=False)
+  monkeypatch.setattr(shards, "write_manifest", real_write)
+  monkeypatch.setattr(prepare.os, "replace", real_replace)
+  kept = tmp_path / "d" if (tmp_path / "d" / "manifest.json").exists() else next(tmp_path.glob(".d.old-*"))
+  assert shards.read_manifest(kept) == before
+  assert shards.open_folder(kept, 300).num_documents == 10
+  prepare.prepare([str(tmp_path / "new.txt")], "byte", tmp_path / "e", progress=False)
+  prepare.prepare([str(tmp_path / "new.txt")], "byte", tmp_path / "e", overwrite=True, progress=False)
+  if where == "manifest":  # a finished overwrite of d keeps the user's file
+    prepare.prepare([str(tmp_path / "new.txt")], "byte", tmp_path / "d", overwrite=True, progress=False)
+    assert (tmp_path / "d" / "NOTES.txt").read_text() == "mine"
+    assert shards.read_manifest(tmp_path / "d")["documents"] == 1
 
 def test_prepare_cli_exits_2_with_one_line(tmp_path, run_env):
   out = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(tmp_path / "no*"),

@@ -191,15 +191,23 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def _publish(staging: Path, out: Path, manifest: dict) -> None:
-  """Moves the finished shards from `staging` into `out`, replacing earlier prepared data there; the manifest
-  goes last, so an interrupted move is never read as data."""
-  out.mkdir(parents=True, exist_ok=True)
-  (out / shards_lib.MANIFEST).unlink(missing_ok=True)
-  for stale in [*out.glob("shard-*.tokens"), *out.glob("shard-*.index"), *out.glob("shard-*.mask")]:
-    stale.unlink()
-  for path in staging.iterdir():
-    os.replace(path, out / path.name)
-  shards_lib.write_manifest(out, manifest)
+  """Puts the finished folder `staging` (its manifest written there last) in place of `out`. What `out` held
+  stays whole until the new folder is in place: it is renamed aside, the new one renamed in (one rename each),
+  then whatever else the user kept in `out` moves over and the old shards go. An interruption at any point
+  leaves either the old prepared data or the new, never a mix and never neither."""
+  shards_lib.write_manifest(staging, manifest)
+  if not out.exists():
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staging, out)
+    return
+  old = out.parent / f".{out.name}.old-{os.getpid()}"
+  os.replace(out, old)
+  os.replace(staging, out)
+  shard = lambda p: p.name == shards_lib.MANIFEST or p.name.startswith("shard-")
+  for path in old.iterdir():
+    if not shard(path) and not (out / path.name).exists():
+      os.replace(path, out / path.name)
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int = 1, workers: int = 1,
