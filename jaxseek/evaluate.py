@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
   path = Path(args.checkpoint)
   if args.tokens is not None and args.tokens < 1:
     raise UserError(f"--tokens {args.tokens} must be ≥ 1")
-  input_lib.shards.read_manifest(Path(args.data))  # a prepared folder, before any device starts
+  input_lib.shards.read_manifest(Path(args.data), "--data")  # a prepared folder, before any device starts
   cfg = eval_run_config(base_config(path), args.data, args.tokens, args.overrides)
   mesh_lib.simulate_cpu_devices(cfg.mesh.num_cpu_devices)
   out = evaluate(path, cfg)

@@ -68,13 +68,18 @@ def restore_or_init(cfg: config_lib.Config, trainer: Trainer, ckpt: checkpoint_l
 
 
 def run(cfg: config_lib.Config) -> dict[str, float]:
-  """mesh → run directory → state (restored or new) → data → loop. Returns the summary."""
+  """mesh → data and evaluation set → run directory → state (restored or new) → loop. Returns the summary."""
   mesh = mesh_lib.make_mesh(cfg)
   print(mesh_lib.startup_line(mesh), flush=True)
   check_setup(cfg, mesh)  # before the run directory is touched
-  run_dir = prepare_run_dir(cfg)
   trainer = make_trainer(cfg, mesh)
-  batches = input_lib.GlobalBatches(cfg, mesh)
+  batches = input_lib.GlobalBatches(cfg, mesh)  # the data (and the evaluation set) opened before it is, too
+  try:
+    evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
+    run_dir = prepare_run_dir(cfg)
+  except BaseException:
+    batches.close()
+    raise
   ckpt = checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
   state = restore_or_init(cfg, trainer, ckpt, batches)
   start = int(state.step)
@@ -93,7 +98,6 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
     with jax.set_mesh(mesh):
       _log(kernels.dispatch_summary(cfg, dict(mesh.shape)))
   _log(gradsum.summary(cfg, dict(mesh.shape)))
-  evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")

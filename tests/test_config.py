@@ -68,6 +68,11 @@ BAD_INPUT = [
     (["model.moe_recv_factor=0"], "config key model.moe_recv_factor: 0.0 must be > 0", "dropless"),
     (["model.moe_dispatch_dtype=float16"], "config key model.moe_dispatch_dtype: 'float16' is not one of",
      "'float8_e4m3fn'"),
+    # the data and the evaluation set are opened before the run directory is written
+    (["data.source=/nonexistent/jaxseek-data"], "data.source folder /nonexistent/jaxseek-data not found",
+     "prepare_data.py"),
+    (["eval.source=/nonexistent/jaxseek-eval"], "eval.source folder /nonexistent/jaxseek-eval not found",
+     "use holdout"),
 ]
 
 

@@ -59,7 +59,8 @@ def open_sources(cfg: Config, part: str = "train") -> list[Documents]:
                         f"got {cfg.model.vocab_size}")
       docs.append(python_stdlib_documents(cfg.data.max_bytes))
     else:
-      docs.append(shards.open_folder(name, cfg.model.vocab_size, cfg.data.verify_checksums))
+      key = "eval.source" if part == "eval" and cfg.eval.source != "holdout" else "data.source"
+      docs.append(shards.open_folder(name, cfg.model.vocab_size, cfg.data.verify_checksums, key))
   if cfg.eval.source == "holdout":
     docs = [holdout.split(d, cfg.eval.holdout, part) for d in docs]
   return docs

@@ -75,10 +75,12 @@ def write_manifest(folder: Path, manifest: dict) -> None:
   tmp.replace(folder / MANIFEST)
 
 
-def read_manifest(folder: Path) -> dict:
+def read_manifest(folder: Path, key: str = "data.source") -> dict:
+  """The manifest of a prepared folder, checked; `key` names the setting that points at it in a refusal."""
   if not folder.is_dir():
-    raise UserError(f"data.source folder {folder} not found; write it with scripts/prepare_data.py --out {folder}, "
-                    f"fix the path, or use synthetic or python-stdlib")
+    other = {"eval.source": ", or use holdout", "data.source": ", or use synthetic or python-stdlib"}.get(key, "")
+    raise UserError(f"{key} folder {folder} not found; write it with scripts/prepare_data.py --out {folder} or "
+                    f"fix the path{other}")
   path = folder / MANIFEST
   if not path.is_file():
     raise UserError(f"{path} not found: {folder} is not (completely) prepared; run scripts/prepare_data.py "
@@ -93,10 +95,10 @@ def read_manifest(folder: Path) -> dict:
   return manifest
 
 
-def open_folder(folder: str | Path, vocab_size: int, verify: bool = True) -> Documents:
+def open_folder(folder: str | Path, vocab_size: int, verify: bool = True, key: str = "data.source") -> Documents:
   """Memory-maps a prepared folder after checking its vocabulary against the model's and its shards."""
   folder = Path(folder)
-  manifest = read_manifest(folder)
+  manifest = read_manifest(folder, key)
   if manifest["vocab_size"] > vocab_size:
     raise UserError(f"{folder / MANIFEST}: the data was tokenised with a {manifest['vocab_size']}-token vocabulary "
                     f"but model.vocab_size={vocab_size}; raise model.vocab_size or prepare the data with the "
