@@ -158,7 +158,7 @@ def parse_args(argv):
   parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
   parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                       help="weights, compute and cache dtype")
   parser.add_argument("overrides", nargs="*", help="mesh sizes, e.g. mesh.tensor=2 mesh.expert=2")
@@ -177,6 +177,10 @@ def check_args(args) -> list[str]:
     raise UserError(f"--top-k {args.top_k} must be ≥ 0 (0: no top-k filtering)")
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p {args.top_p} must be in (0, 1]")
+  if args.temperature == 0:  # greedy: the sampling options would be silently ignored
+    for flag, value, default in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--seed", args.seed, None)):
+      if value != default:
+        raise UserError(f"{flag} {value} applies when sampling; pass --temperature > 0 (0 is greedy)")
   if args.chat_template is not None and not args.chat:
     raise UserError("--chat-template applies with --chat only")
   if not Path(args.checkpoint).is_dir():
@@ -281,7 +285,13 @@ def main(argv: list[str] | None = None) -> int:
   ids = [encode(p) for p in prompts]
   if any(not i for i in ids):
     raise UserError("a prompt encodes to no tokens; give each prompt some text")
-  mesh = make_mesh(args.overrides, checkpoint_model_config(args.checkpoint) if args.overrides else None)
+  model_cfg = checkpoint_model_config(args.checkpoint)
+  longest = max(len(i) for i in ids)
+  if longest + args.max_new_tokens - 1 > model_cfg.max_position_embeddings:  # the last new token is not fed back
+    raise UserError(f"a prompt of {longest} tokens + --max-new-tokens {args.max_new_tokens} needs "
+                    f"{longest + args.max_new_tokens - 1} positions, more than the model's max_position_embeddings "
+                    f"{model_cfg.max_position_embeddings}; shorten the prompt or lower --max-new-tokens")
+  mesh = make_mesh(args.overrides, model_cfg if args.overrides else None)
   with jax.set_mesh(mesh) if mesh is not None else _nothing():
     model = load_pretrained(args.checkpoint, param_dtype=args.dtype, dtype=args.dtype)
     vocab = model.embed.table_VD.shape[0]
@@ -289,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
       raise UserError(f"--tokenizer {args.tokenizer} has {tokenizer.vocab_size} tokens but the model's vocab_size "
                       f"is {vocab}; pass the model's tokenizer")
     outputs = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, eos_id=tokenizer.eos_id,
+                       top_p=args.top_p, seed=args.seed or 0, eos_id=tokenizer.eos_id,
                        cache_dtype=jnp.dtype(args.dtype),
                        log=lambda line: print(line, file=sys.stderr))
   for row in outputs:

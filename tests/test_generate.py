@@ -199,6 +199,12 @@ def test_cli_generates_one_line_per_prompt(byte_checkpoint, tmp_path):
     (["mesh.tensor=3"], "is not divisible by mesh.tensor=3"),
     (["mesh.pipeline=2"], "generate takes mesh sizes mesh.<axis>=N for axis in data, fsdp, expert, tensor"),
     (["--prompts", "EMPTY"], "holds no prompt"),
+    # sampling options at temperature 0 (greedy) would be ignored; a prompt and its new tokens past the positions
+    (["--top-k", "5"], "--top-k 5 applies when sampling; pass --temperature > 0"),
+    (["--top-p", "0.9"], "--top-p 0.9 applies when sampling"),
+    (["--seed", "3"], "--seed 3 applies when sampling"),
+    (["--max-new-tokens", "65"], "a prompt of 1 tokens + --max-new-tokens 65 needs 65 positions, more than the "
+     "model's max_position_embeddings 64"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(byte_checkpoint, tmp_path, capsys, args, message):
   empty = tmp_path / "empty.txt"
