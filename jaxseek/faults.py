@@ -43,12 +43,42 @@ class Preemption:
                                                   lambda _, v=v: np.full((1,), v, np.int32)) for v in (0, 1)]
       self._any = jax.jit(jnp.max, out_shardings=NamedSharding(self._mesh, P()))
       self._seen = None  # the max dispatched after the previous step
+    self._wakeup = None
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._previous[sig] = signal.signal(sig, self._handle)
+      # the signals are counted by a thread that reads Python's wake-up pipe (written by the C-level handler in
+      # whatever thread gets the signal): it hears them while the main thread is inside XLA (a compilation,
+      # a hung step), where no Python handler runs
+      read, write = os.pipe()
+      os.set_blocking(write, False)
+      self._wakeup = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+      threading.Thread(target=self._listen, args=(read,), name="jaxseek-signals", daemon=True).start()
 
   def _handle(self, signum, frame) -> None:
-    self.signal_name = signal.Signals(signum).name
+    """Python's handler (the main thread, between bytecodes): `_listen` has counted the signal already."""
+
+  def _listen(self, read: int) -> None:
+    """The first SIGTERM or SIGINT asks for a save at the end of the step; a second one exits at once (status
+    128 + signal), keeping the last finished checkpoint."""
+    while True:
+      try:
+        data = os.read(read, 64)
+      except OSError:
+        return
+      if not data:
+        return
+      for signum in data:
+        if signum not in (signal.SIGTERM, signal.SIGINT):
+          continue
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+          self.signal_name = name
+          print(f"{name}: saving at the end of this step, then exiting (send it again to stop at once)",
+                file=sys.stderr, flush=True)
+        else:
+          print(f"{name} again: stopping now; the last finished checkpoint is kept", file=sys.stderr, flush=True)
+          os._exit(128 + signum)
 
   def requested(self) -> bool:
     """True once any process has been signalled; with several processes, at the same step on all of them."""
@@ -70,14 +100,23 @@ class Preemption:
   def restore(self) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+    if self._wakeup is not None:
+      read, write, previous = self._wakeup
+      signal.set_wakeup_fd(previous)
+      os.close(write)  # the listening thread reads the end of the pipe and returns
+      self._wakeup = None
 
 
 class Watchdog:
   """Exits the process (status 1) when no step completes within `timeout_s`, instead of hanging forever on a
-  collective whose peer died. Armed by the first `beat()`, so compilation is not timed."""
+  collective whose peer died. Armed by the first `beat()`, so compilation is not timed; evaluations and the final
+  save run in a `phase` of their own (FINAL × timeout_s)."""
+
+  FINAL = 10
 
   def __init__(self, timeout_s: float | None):
     self.timeout_s = timeout_s
+    self.limit = timeout_s  # the current one (`phase`)
     self.last: float | None = None
     self.step = 0
     self._stop = threading.Event()
@@ -90,24 +129,29 @@ class Watchdog:
       self.step, self.last = step, time.monotonic()
 
   @contextlib.contextmanager
-  def paused(self):
-    """Disarmed inside (an evaluation may take longer than a step); armed again after, if it was, from now."""
+  def phase(self, timeout_s: float | None):
+    """Inside, the time limit is `timeout_s` from now, armed whether or not a step has beaten (an evaluation or
+    the final save, longer than a step, still ends the run if a peer dies there); after, as it was, from now."""
+    if not self.timeout_s or not timeout_s:
+      yield
+      return
     with self._lock:
-      armed, self.last = self.last is not None, None
+      saved, self.last, self.limit = (self.last, self.limit), time.monotonic(), timeout_s
     try:
       yield
     finally:
       with self._lock:
-        if armed:
-          self.last = time.monotonic()
+        self.last, self.limit = (time.monotonic() if saved[0] is not None else None), saved[1]
 
   def _watch(self) -> None:
     while not self._stop.wait(min(self.timeout_s / 4, 5.0)):
       with self._lock:
-        if self._stop.is_set() or self.last is None or time.monotonic() - self.last <= self.timeout_s:
+        if self._stop.is_set() or self.last is None or time.monotonic() - self.last <= self.limit:
           continue
-        print(f"error: process {jax.process_index()}: step {self.step + 1} did not finish within "
-              f"train.step_timeout_s={self.timeout_s:g} s (a dead peer or a hung collective); exiting",
+        what = (f"step {self.step + 1} did not finish within train.step_timeout_s={self.timeout_s:g} s"
+                if self.limit == self.timeout_s else
+                f"an evaluation or checkpoint save did not finish within {self.limit:g} s")
+        print(f"error: process {jax.process_index()}: {what} (a dead peer or a hung collective); exiting",
               file=sys.stderr, flush=True)
         os._exit(1)
 

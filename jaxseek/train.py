@@ -6,6 +6,7 @@ python -m jaxseek.train --config FILE [section.key=value ...]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -107,9 +108,10 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
                              evaluator)
   finally:
     profiler.close()
+    with watchdog.phase(watchdog.FINAL * cfg.train.step_timeout_s if cfg.train.step_timeout_s else None):
+      ckpt.close()  # the last save finishing (with every process)
     watchdog.stop()
     preemption.restore()
-    ckpt.close()
     reporter.writer.close()
     batches.close()
   return _summary(cfg, reporter, start, stopped, run_dir)
@@ -131,18 +133,20 @@ def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watch
       watchdog.beat(pending[0])
     preempted = preemption.requested()  # with several processes, True at the same step on all of them
     last = preempted or step == cfg.train.steps
-    if last:
-      watchdog.stop()  # the last save may take longer than a step (and waits for every process); not a hang
+    # an evaluation, and the last save, may take longer than a step (and wait for every process): timed apart
+    longer = watchdog.FINAL * cfg.train.step_timeout_s if cfg.train.step_timeout_s else None
+    evaluate = evaluator is not None and (step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0))
     extra = {}
-    if evaluator is not None and (step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
-      with watchdog.paused():  # into this step's record; a non-finite eval never stops the run (on_nonfinite)
+    with watchdog.phase(longer) if last or evaluate else contextlib.nullcontext():
+      if evaluate:  # into this step's record; a non-finite eval never stops the run (on_nonfinite)
         extra.update(evaluator(state))
-    if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-      extra["ckpt_block_s"] = ckpt.save(step, state, batches.iterator)
+      if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+        extra["ckpt_block_s"] = ckpt.save(step, state, batches.iterator)
     pending = (step, metrics, data_wait, extra)
     if preempted:
       reporter(*pending)
-      ckpt.wait()
+      with watchdog.phase(longer):
+        ckpt.wait()
       who = f"process {jax.process_index()}/{jax.process_count()}: " if preemption.shared else ""
       print(f"{who}pre-empted ({preemption.reason}): saved step {step}; run the same command again to resume",
             flush=True)  # every process says so: each saved its part

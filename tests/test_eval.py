@@ -137,14 +137,61 @@ def test_eval_config_errors(overrides, message):
     load_config("tiny-v3", *overrides)
 
 
-def test_watchdog_is_disarmed_during_evaluation_only():
-  armed, idle = faults.Watchdog(None), faults.Watchdog(None)
-  armed.beat(3)
-  before = armed.last
-  with armed.paused(), idle.paused():
-    assert armed.last is None
-  assert armed.last is not None and armed.last >= before and armed.step == 3
-  assert idle.last is None  # never armed: stays so (compilation is not timed)
+WATCHDOG = """
+import os, sys, time
+from jaxseek import faults
+case = sys.argv[1]
+if case == "phase":
+  w = faults.Watchdog(0.4)
+  w.beat(3)
+  with w.phase(2.0):  # an evaluation slower than a step: not a hang
+    time.sleep(1.0)
+  print("survived", flush=True)
+  with w.phase(1.0):  # a peer dead during the final save: the run ends
+    time.sleep(10)
+  print("not reached", flush=True)
+elif case == "idle":
+  w = faults.Watchdog(0.4)  # never beaten (compiling): not timed
+  time.sleep(1.5)
+  print("idle survived", flush=True)
+else:
+  p = faults.Preemption()
+  print("ready", flush=True)
+  r, _ = os.pipe()
+  os.read(r, 1)  # blocked in a C call, as inside a compilation or a hung step
+"""
+
+
+@pytest.mark.parametrize("case", ["phase", "idle", "signals"])
+def test_watchdog_and_signals_with_their_real_threads(case, tmp_path, run_env):
+  """The watchdog's own thread: a phase (an evaluation, the final save) longer than a step survives, one past
+  its limit ends the process (status 1, one line), a watchdog never beaten (the first compile) never fires.
+  Ctrl-C while the main thread is blocked in a C call: the first asks for a save at the step's end (one line),
+  the second exits at once with 130."""
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  script = tmp_path / "w.py"
+  script.write_text(WATCHDOG)
+  proc = subprocess.Popen([sys.executable, str(script), case], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=run_env)
+  if case == "signals":
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None  # still running: it saves at the end of the step
+    proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=60)
+  if case == "phase":
+    assert proc.returncode == 1 and out.split() == ["survived"]
+    assert "an evaluation or checkpoint save did not finish within 1 s" in err and err.count("\n") == 1, err
+  elif case == "idle":
+    assert proc.returncode == 0 and out.strip() == "idle survived"
+  else:
+    assert proc.returncode == 130, err
+    assert "SIGINT: saving at the end of this step" in err and "SIGINT again: stopping now" in err
 
 
 def _token_folder(folder, vocab, count=40, seed=0):
