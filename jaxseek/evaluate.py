@@ -26,7 +26,7 @@ from flax import nnx
 from jaxseek import config as config_lib
 from jaxseek import input as input_lib
 from jaxseek import step as step_lib
-from jaxseek.errors import UserError, cli
+from jaxseek.errors import UserError, cli, writable_file
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import rules
 
@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
   path = Path(args.checkpoint)
   if args.tokens is not None and args.tokens < 1:
     raise UserError(f"--tokens {args.tokens} must be ≥ 1")
+  if args.json:
+    writable_file(args.json, "--json")
   input_lib.shards.read_manifest(Path(args.data), "--data")  # a prepared folder, before any device starts
   cfg = eval_run_config(base_config(path), args.data, args.tokens, args.overrides)
   mesh_lib.simulate_cpu_devices(cfg.mesh.num_cpu_devices)

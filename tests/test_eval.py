@@ -124,6 +124,13 @@ def test_evaluate_errors_are_one_line(eval_run, data, tmp_path, capsys):
     assert evaluate_main(["--checkpoint", str(checkpoint), "--data", str(folder)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and expected in err, err
+  for argv, expected in ((["--json", str(tmp_path / "missing" / "out.json")], "does not exist; create it"),
+                         (["--json", str(tmp_path)], "is a folder; name a file"),
+                         (["--tokens", "0"], "--tokens 0 must be ≥ 1"),
+                         (["eval.source=x"], "evaluate reads the folder given with --data")):
+    assert evaluate_main(["--checkpoint", str(eval_run), "--data", str(data["eval"]), *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
 
 
 @pytest.mark.parametrize("overrides, message", [

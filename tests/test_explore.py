@@ -318,6 +318,12 @@ def test_json_schema_and_user_errors(tmp_path, capsys):
     assert plot == 0 and (tmp_path / "p.png").stat().st_size > 1000
   except ImportError:
     assert plot == 2 and err.count("\n") == 1 and "matplotlib" in err
+  # an output path that cannot be written: one line, exit 2, before any work
+  for flag, path, words in (("--json", tmp_path / "no" / "plan.json", "folder " + str(tmp_path / "no") +
+                             " does not exist"), ("--json", tmp_path, "is a folder; name a file")):
+    assert explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
 
 
 def test_deepseek_v3_published_layout_and_batch():

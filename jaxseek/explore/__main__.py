@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxseek import config as config_lib
-from jaxseek.errors import UserError, cli
+from jaxseek.errors import UserError, cli, writable_file
 from jaxseek.explore import core as explore
 from jaxseek.explore import report
 from jaxseek.explore import suggest as explore_suggest
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   if args.plot:
     report.require_matplotlib()
+  for flag, path in (("--json", args.json), ("--plot", args.plot)):
+    if path:
+      writable_file(path, flag)
   cfg = config_lib.load(args.config, args.overrides)
   result = run(cfg, args)
   if args.json:
