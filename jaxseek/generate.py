@@ -8,6 +8,7 @@ sampling with optional top-k and top-p filtering. See docs/generate.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{longest + args.max_new_tokens - 1} positions, more than the model's max_position_embeddings "
                     f"{model_cfg.max_position_embeddings}; shorten the prompt or lower --max-new-tokens")
   mesh = make_mesh(args.overrides, model_cfg if args.overrides else None)
-  with jax.set_mesh(mesh) if mesh is not None else _nothing():
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     model = load_pretrained(args.checkpoint, param_dtype=args.dtype, dtype=args.dtype)
     vocab = model.embed.table_VD.shape[0]
     if tokenizer.vocab_size > vocab:
@@ -305,14 +306,6 @@ def main(argv: list[str] | None = None) -> int:
   for row in outputs:
     print(decode_text(row).replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r"))
   return 0
-
-
-class _nothing:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
 
 
 if __name__ == "__main__":
