@@ -320,7 +320,9 @@ def test_json_schema_and_user_errors(tmp_path, capsys):
     assert plot == 2 and err.count("\n") == 1 and "matplotlib" in err
   # an output path that cannot be written: one line, exit 2, before any work
   for flag, path, words in (("--json", tmp_path / "no" / "plan.json", "folder " + str(tmp_path / "no") +
-                             " does not exist"), ("--json", tmp_path, "is a folder; name a file")):
+                             " does not exist"), ("--json", tmp_path, "is a folder; name a file"),
+                            ("--devices", 0, "--devices 0 must be ≥ 1"), ("--devices", -8, "--devices -8 must be ≥ 1"),
+                            ("--devices-per-node", 0, "--devices-per-node 0 must be ≥ 1")):
     assert explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), flag, str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err, err

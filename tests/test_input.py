@@ -365,6 +365,12 @@ def test_prepare_cli_exits_2_with_one_line(tmp_path, run_env):
                         "--tokenizer", "byte", "--out", str(tmp_path / "o")], capture_output=True, text=True,
                        env=run_env, timeout=60)
   assert out.returncode == 2 and out.stderr.count("\n") == 1 and "matches no file" in out.stderr
+  (tmp_path / "a.txt").write_text("some text")
+  out = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(tmp_path / "a.txt"),
+                        "--tokenizer", "byte", "--out", str(tmp_path / "o"), "--workers", "0"], capture_output=True,
+                       text=True, env=run_env, timeout=60)
+  assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--workers 0 must be ≥ 1" in out.stderr
+  assert not (tmp_path / "o").exists()
 
 
 def test_worker_processes_resume_exactly(tmp_path):

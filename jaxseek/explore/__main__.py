@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   if args.plot:
     report.require_matplotlib()
+  for flag, count in (("--devices", args.devices), ("--devices-per-node", args.devices_per_node)):
+    if count is not None and count < 1:
+      raise UserError(f"{flag} {count} must be ≥ 1")
   for flag, path in (("--json", args.json), ("--plot", args.plot)):
     if path:
       writable_file(path, flag)

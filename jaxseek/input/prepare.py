@@ -336,6 +336,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @cli
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
+  if args.workers is not None and args.workers < 1:
+    raise UserError(f"--workers {args.workers} must be ≥ 1 (leave it out for the default)")
   workers = args.workers or (1 if args.tokenizer == "byte" else os.cpu_count() or 1)
   prepare(args.input, args.tokenizer, args.out, args.shards, workers, args.text_field, args.eos,
           args.overwrite, progress=not args.quiet, format=args.format, chat_template=args.chat_template)
