@@ -343,47 +343,41 @@ class _Stage:
     inputs, the output's cotangent, the aux cotangents."""
     return [x, *jax.tree.leaves((p, c, side)), g_y, *jax.tree.leaves(self.aux_cotangent)]
 
-  def _split(self) -> wsplit.Split:
-    """b and W of one chunk's backward (forward recomputed from its input), traced once on a chunk's shapes."""
+  def _traced(self, forward_outputs: bool):
+    """The chunk's forward and vjp traced once on a chunk's shapes, as a function of `_flat`'s arguments:
+    (closed jaxpr, its abstract arguments, the index of g_y among them, n_p). Its outputs are [g_x, g_p...],
+    led by [y, aux...] with `forward_outputs`."""
     p0, c0, side0 = _at(self.sp_R, 0), _at(self.sc_R, 0), _at(self.side_M, 0)
     n_p, n_c, n_side = (len(jax.tree.leaves(t)) for t in (p0, c0, side0))
-    trees = jax.tree.structure((p0, c0, side0))
-    cot_tree = jax.tree.structure(self.aux_cotangent)
+    trees, cot_tree = jax.tree.structure((p0, c0, side0)), jax.tree.structure(self.aux_cotangent)
+    g_y_arg = 1 + n_p + n_c + n_side
 
-    def backward(x, *rest):
-      p, c, side = jax.tree.unflatten(trees, rest[:n_p + n_c + n_side])
-      g_y, cot = rest[n_p + n_c + n_side], jax.tree.unflatten(cot_tree, rest[n_p + n_c + n_side + 1:])
-      (_, aux), pull = jax.vjp(lambda x, p: self.stage_fn(x, p, c, side), x, p)
+    def both(x, *rest):
+      p, c, side = jax.tree.unflatten(trees, rest[:g_y_arg - 1])
+      g_y, cot = rest[g_y_arg - 1], jax.tree.unflatten(cot_tree, rest[g_y_arg:])
+      (y, aux), pull = jax.vjp(lambda x, p: self.stage_fn(x, p, c, side), x, p)
       g_x, g_p = pull((g_y, {k: _cotangent(a, cot.get(k, 0.0)) for k, a in aux.items()}))
-      return [g_x, *jax.tree.leaves(g_p)]
+      return ([y, *jax.tree.leaves(aux)] if forward_outputs else []) + [g_x, *jax.tree.leaves(g_p)]
 
     args = self._flat(self.x_shape, p0, c0, side0, self.y_shape)
     abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
-    closed = jax.make_jaxpr(backward)(*abstract)
-    w_args = [i for i in range(len(args)) if i not in (0, 1 + n_p + n_c + n_side)]  # all but x and g_y
+    return jax.make_jaxpr(both)(*abstract), abstract, g_y_arg, n_p
+
+  def _split(self) -> wsplit.Split:
+    """b and W of one chunk's backward (forward recomputed from its input)."""
+    closed, abstract, g_y_arg, n_p = self._traced(False)
+    w_args = [i for i in range(len(abstract)) if i not in (0, g_y_arg)]  # all but x and g_y
     return wsplit.split(closed, [True] + [False] * n_p, w_args)
 
   def _split_kept(self) -> None:
     """F, b and W of one chunk that keeps its forward's residuals (train.pipeline_recompute=false): the chunk's
     forward and vjp traced once, F what its output and aux need (stashing every value of it the backward reads:
     the residuals), and the rest split again into b and W. Each equation runs once, in one of the three."""
-    p0, c0, side0 = _at(self.sp_R, 0), _at(self.sc_R, 0), _at(self.side_M, 0)
-    n_p, n_c, n_side = (len(jax.tree.leaves(t)) for t in (p0, c0, side0))
-    trees = jax.tree.structure((p0, c0, side0))
-    cot_tree, self.aux_tree = jax.tree.structure(self.aux_cotangent), jax.tree.structure(self.aux_shape)
-    n_out, g_y_arg = 1 + self.aux_tree.num_leaves, 1 + n_p + n_c + n_side
-
-    def both(x, *rest):
-      p, c, side = jax.tree.unflatten(trees, rest[:n_p + n_c + n_side])
-      g_y, cot = rest[n_p + n_c + n_side], jax.tree.unflatten(cot_tree, rest[n_p + n_c + n_side + 1:])
-      (y, aux), pull = jax.vjp(lambda x, p: self.stage_fn(x, p, c, side), x, p)
-      g_x, g_p = pull((g_y, {k: _cotangent(a, cot.get(k, 0.0)) for k, a in aux.items()}))
-      return [y, *jax.tree.leaves(aux), g_x, *jax.tree.leaves(g_p)]
-
-    args = self._flat(self.x_shape, p0, c0, side0, self.y_shape)
-    abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
-    f = wsplit.split(jax.make_jaxpr(both)(*abstract), [True] * n_out + [False] * (1 + n_p),
-                     [i for i in range(len(args)) if i])  # the rest is given all but x again
+    self.aux_tree = jax.tree.structure(self.aux_shape)
+    n_out = 1 + self.aux_tree.num_leaves
+    closed, abstract, g_y_arg, n_p = self._traced(True)
+    f = wsplit.split(closed, [True] * n_out + [False] * (1 + n_p),
+                     [i for i in range(len(abstract)) if i])  # the rest is given all but x again
     if n_out in f.b_outputs:
       raise AssertionError("the chunk input's cotangent does not depend on the output's")
     self.residual_shape = jax.eval_shape(lambda *a: f.b(*a)[1], *abstract)
