@@ -4,7 +4,11 @@
 
 attention: tokamax Mosaic GPU / Triton flash attention vs the dense reference (MLA head dims 192/128 and grouped
 query attention 128/128, causal, packed documents); experts: tokamax's grouped GEMM vs the blocked path; dispatch:
-ragged_all_to_all vs the fixed-slot all_to_all path (one GPU's expert axis); loss: chunked vs full logits. Prints one line per check and appends JSON lines; exits 1 if any check fails.
+ragged_all_to_all vs the fixed-slot all_to_all path (one GPU's expert axis); loss: chunked vs full logits;
+attention memory: the compiled temporaries of value and gradients for packed documents at two lengths, per
+kernel (cuDNN's dense mask grows with the square of the length, the others linearly). Kernels this GPU's compute
+capability cannot run (kernels.attention_kind / matmul_kind refuse them) are reported as skipped. Prints one line
+per check and appends JSON lines; exits 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def attention_cases():
     for packed in (False, True):
       seg = segments if packed else None
       ref = lambda q, k, v: dense_attention(q, k, v, seg, K**-0.5)
-      for impl in ("mosaic", "triton", "blocked"):
+      for impl in ("mosaic", "triton", "cudnn", "blocked"):
         if impl == "blocked":
           fn = lambda q, k, v: flash.attention(q, k, v, seg, K**-0.5)
         else:
@@ -101,6 +105,44 @@ def loss_cases():
   yield "loss chunked", loss("chunked"), loss("full"), (h, head), 1e-2
 
 
+def attention_memory(impl: str, T: int, B: int = 1, N: int = 16, K: int = 192, P: int = 128) -> int:
+  """Compiled temporary bytes of one packed-document attention's value and gradients (bf16, MLA head dims)."""
+  q = jax.ShapeDtypeStruct((B, T, N, K), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, T, N, K), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((B, T, N, P), jnp.bfloat16)
+  seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), T // 4)[None].repeat(B, 0)
+  if impl == "blocked":
+    fn = lambda q, k, v: flash.attention(q, k, v, seg, K**-0.5)
+  else:
+    fn = lambda q, k, v: kernels.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
+  loss = lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum()
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def memory_rows(runs):
+  for impl in ("mosaic", "triton", "cudnn", "blocked"):
+    if not runs(impl):
+      continue
+    sizes = {T: attention_memory(impl, T) for T in (4096, 8192)}
+    yield {"check": f"attention memory {impl}", "temp_bytes": sizes, "growth_4096_to_8192": sizes[8192] / sizes[4096]}
+
+
+def can_run(name: str) -> str | None:
+  """Why this GPU cannot run check `name`'s kernel (None: it can)."""
+  cc = kernels.capability()
+  try:
+    for impl in ("mosaic", "triton", "cudnn"):
+      if f"attention {impl}" in name:
+        kernels.attention_kind(impl, 1024, "gpu", jnp.bfloat16, capability=cc,
+                               head_dims=(192, 128) if "mla" in name else (128, 128))
+    if "experts tokamax" in name:
+      kernels.matmul_kind("tokamax" if "mosaic" in name else "tokamax_triton", "gpu", jnp.bfloat16, capability=cc)
+  except kernels.UserError as e:
+    return str(e)
+  return None
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None)
@@ -110,6 +152,10 @@ def main() -> None:
   for cases in (attention_cases, expert_cases, dispatch_cases, loss_cases):
     for name, fn, ref, inputs, tol in cases():
       start = time.perf_counter()
+      why = can_run(name)
+      if why:
+        print(f"skip {name}  ({why})", flush=True)
+        continue
       try:
         row = compare(fn, ref, inputs, tol)
       except Exception as e:  # a kernel that does not build here is a failed check, not the end of the suite
@@ -120,6 +166,13 @@ def main() -> None:
       if args.out:
         with open(args.out, "a") as f:
           f.write(json.dumps(row) + "\n")
+  for row in memory_rows(lambda impl: not can_run(f"attention {impl} mla")):
+    row["device"] = jax.devices()[0].device_kind
+    print(f"     {row['check']}: temporaries {row['temp_bytes']} bytes at lengths 4096/8192, "
+          f"×{row['growth_4096_to_8192']:.2f} for twice the length", flush=True)
+    if args.out:
+      with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
   sys.exit(1 if failed else 0)
 
 

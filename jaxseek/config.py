@@ -125,6 +125,13 @@ class ModelConfig:
   def dense_head_dim(self) -> int:
     return self.head_dim or self.hidden_size // self.num_attention_heads
 
+  @property
+  def attention_head_dims(self) -> tuple[int, int]:
+    """(query/key, value) head dims of attention: MLA's nope + rope and v, else the dense head dim twice."""
+    if self.is_mla:
+      return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+    return self.dense_head_dim, self.dense_head_dim
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:

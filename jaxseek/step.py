@@ -101,11 +101,13 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> Non
   if not backend:
     return
   platform = mesh.devices.flat[0].platform
-  where = "gpu" if platform in ("cuda", "rocm", "gpu") else platform
-  # kernels that cannot run here are refused now, not while tracing
-  kinds = {kernels.attention_kind(m.attention_impl, cfg.train.seq_len, where, cfg.train.compute_dtype)}
+  where, cc = kernels.device_target(mesh.devices.flat[0])
+  # kernels that cannot run on these devices are refused now, not while tracing
+  kinds = {kernels.attention_kind(m.attention_impl, cfg.train.seq_len, where, cfg.train.compute_dtype,
+                                  capability=cc, head_dims=m.attention_head_dims)}
   if m.is_moe:
-    kinds.add(kernels.matmul_kind(m.moe_matmul, where, cfg.train.compute_dtype))
+    kinds.add(kernels.matmul_kind(m.moe_matmul, where, cfg.train.compute_dtype, capability=cc,
+                                  dims=kernels.expert_dims(cfg, mesh.shape["tensor"])))
     kernels.dispatch_kind(m.moe_dispatch, where)  # ragged needs ragged-all-to-all (not on XLA:CPU)
   if kinds & (set(kernels.GPU_ATTENTION) | set(kernels.GPU_MATMUL)):
     kernels.tokamax_module()

@@ -93,6 +93,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   n_params = sum(x.size for x in jax.tree.leaves(logical))
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
+  _log(kernels.summary(cfg, *kernels.device_target(mesh.devices.flat[0]), tensor=mesh.shape["tensor"]))
   if mesh.shape["pipeline"] > 1:
     _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"], dict(mesh.shape)))
   if cfg.model.is_moe:

@@ -116,6 +116,25 @@ def test_tokamax_mask_from_segments_equals_dense(packed):
     np.testing.assert_allclose(sliced, dense_attention(q[:, 16:32], k, v, seg[:, 16:32], 0.3, seg, 16), atol=2e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_tokamax_queries_padded_to_whole_blocks_equal_dense(packed):
+  """Mosaic's attention takes whole query blocks: a length that is not a multiple is padded (queries, and on the
+  causal path the keys, the padded queries seeing only padded keys) and sliced back, value and gradients exact."""
+  pytest.importorskip("tokamax")
+  q, k, v, w = qkv(4, 4, 12, 8)
+  T = 40
+  q, k, v, w = q[:, :T], k[:, :T], v[:, :T], w[:, :T]
+  seg = jnp.asarray(SEGMENTS)[:, :T] if packed else None
+  got = value_and_grads(lambda q, k, v: kernels.tokamax_attention(q, k, v, seg, 0.3, implementation="xla",
+                                                                  pad_to=16), q, k, v, w)
+  assert_same(got, value_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, 0.3), q, k, v, w), 2e-5)
+  part = slice(16, 30)  # 14 queries at offset 16 over all 40 keys (context parallelism's gather path)
+  sliced = kernels.tokamax_attention(q[:, part], k, v, None if seg is None else seg[:, part], 0.3, seg, 16,
+                                     implementation="xla", pad_to=16)
+  want = dense_attention(q[:, part], k, v, None if seg is None else seg[:, part], 0.3, seg, 16)
+  np.testing.assert_allclose(sliced, want, atol=2e-6)
+
+
 def test_segment_starts():
   np.testing.assert_array_equal(kernels.segment_starts(jnp.asarray([[1, 1, 2, 2, 2, 0]])), [[0, 0, 2, 2, 2, 5]])
 
@@ -124,18 +143,84 @@ def test_kernel_choice_follows_the_mesh_platform():
   assert kernels.attention_kind("auto", 4096, "cpu") == "blocked"
   assert kernels.attention_kind("auto", 256, "cpu") == "dense"  # one block: the same computation
   assert kernels.matmul_kind("auto", "cpu") == "blocked" and kernels.matmul_kind("auto", "tpu") == "ragged_dot"
-  if kernels._has_tokamax():
-    assert kernels.attention_kind("auto", 4096, "gpu") == "mosaic"
-    assert kernels.matmul_kind("auto", "gpu") == "tokamax"
   with pytest.raises(config_lib.UserError, match="model.attention_impl"):
     kernels.attention_kind("mosaic", 4096, "cpu")
   with pytest.raises(config_lib.UserError, match="bfloat16"):
-    kernels.matmul_kind("tokamax", "gpu", jnp.float32)
-  if kernels._has_tokamax():
-    assert kernels.attention_kind("auto", 4096, "gpu", jnp.float32) == "triton"
-    assert kernels.matmul_kind("auto", "gpu", jnp.float32) == "blocked"
+    kernels.matmul_kind("tokamax", "gpu", jnp.float32, capability=9.0)
   with pytest.raises(config_lib.UserError, match="model.moe_matmul"):
     kernels.matmul_kind("tokamax", "cpu")
+
+
+# (compute capability, dtype) → what auto picks with tokamax installed: Mosaic GPU attention on sm_90/sm_100 with
+# 16-bit inputs, its grouped GEMM on sm_90 (no sm_100 weight-gradient kernel in tokamax 0.0.12), Triton from sm_80,
+# XLA's own paths below (tokamax 0.0.12's Mosaic kernels raise below sm_90)
+AUTO_ON_GPU = [((8.0, jnp.bfloat16), ("triton", "tokamax_triton")), ((8.6, jnp.bfloat16), ("triton", "tokamax_triton")),
+               ((9.0, jnp.bfloat16), ("mosaic", "tokamax")), ((10.0, jnp.bfloat16), ("mosaic", "tokamax_triton")),
+               ((12.0, jnp.bfloat16), ("triton", "tokamax_triton")), ((9.0, jnp.float32), ("triton", "blocked")),
+               ((8.0, jnp.float32), ("triton", "blocked")), ((7.0, jnp.bfloat16), ("blocked", "blocked"))]
+
+
+@pytest.mark.parametrize("where, picks", AUTO_ON_GPU)
+def test_auto_picks_the_kernels_the_gpu_can_run(where, picks):
+  cc, dtype = where
+  got = (kernels.attention_kind("auto", 4096, "gpu", dtype, tokamax=True, capability=cc),
+         kernels.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc))
+  assert got == picks
+  if cc == 10.0:  # tokamax's sm_100 Mosaic attention fits head dims of 64 at most in shared memory
+    assert kernels.attention_kind("auto", 4096, "gpu", dtype, True, cc, (192, 128)) == "triton"
+    assert kernels.attention_kind("auto", 4096, "gpu", dtype, True, cc, (64, 64)) == "mosaic"
+  if picks[1] == "tokamax":  # widths that are not whole tiles of 64 go to Triton
+    assert kernels.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc, dims=(40, 20)) == "tokamax_triton"
+    assert kernels.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc, dims=(2048, 512)) == "tokamax"
+  # without tokamax auto takes XLA's paths on any GPU
+  assert (kernels.attention_kind("auto", 4096, "gpu", dtype, tokamax=False, capability=cc),
+          kernels.matmul_kind("auto", "gpu", dtype, tokamax=False, capability=cc)) == ("blocked", "blocked")
+
+
+# a kernel asked for by name on a GPU that cannot run it: (setting key, value, capability, head dims, message)
+REFUSED_ON_GPU = [("attention", "mosaic", 8.0, None, "mosaic .*sm_90 and sm_100.* sm_80; use auto \\(it picks triton"),
+                  ("attention", "mosaic", 12.0, None, "sm_120"),
+                  ("attention", "mosaic", 10.0, (192, 128), "mosaic on sm_100 takes head dims of at most 64.*these "
+                                                            "are 192/128; use auto \\(it picks triton"),
+                  ("attention", "triton", 7.5, None, "triton needs an sm_80 or newer GPU and this is sm_75"),
+                  ("attention", "cudnn", 8.0, (192, 128), "cudnn takes query/key head dim 192 with value head dim 128"),
+                  ("attention", "cudnn", 8.0, (256, 256), "sm_90 or newer only"),
+                  ("matmul", "tokamax", 8.0, None, "tokamax .*runs on sm_90 GPUs and this is sm_80; use auto \\(it "
+                                                   "picks tokamax_triton"),
+                  ("matmul", "tokamax", 10.0, None, "runs on sm_90 GPUs and this is sm_100"),
+                  ("matmul", "tokamax", 9.0, (40, 20), "multiples of 64, and the expert GEMMs here are 40 × 20"),
+                  ("matmul", "tokamax_triton", 7.0, None, "tokamax_triton needs an sm_80")]
+
+
+@pytest.mark.parametrize("which, setting, cc, heads, message", REFUSED_ON_GPU)
+def test_a_kernel_the_gpu_cannot_run_is_refused_in_one_line(which, setting, cc, heads, message):
+  with pytest.raises(config_lib.UserError, match=message) as e:
+    if which == "attention":
+      kernels.attention_kind(setting, 4096, "gpu", jnp.bfloat16, tokamax=True, capability=cc, head_dims=heads)
+    else:
+      kernels.matmul_kind(setting, "gpu", jnp.bfloat16, tokamax=True, capability=cc, dims=heads)
+  assert "\n" not in str(e.value) and f"model.{'attention_impl' if which == 'attention' else 'moe_matmul'}" in str(e.value)
+  # where it can run, the same request stands
+  ok = {"mosaic": 9.0 if heads and max(heads) > 64 else 10.0, "triton": 8.0, "cudnn": 9.0, "tokamax": 9.0, "tokamax_triton": 8.0}[setting]
+  if which == "attention":
+    assert kernels.attention_kind(setting, 4096, "gpu", jnp.bfloat16, True, ok, heads) == setting
+  else:
+    assert kernels.matmul_kind(setting, "gpu", jnp.bfloat16, True, ok, (2048, 512)) == setting
+
+
+def test_startup_summary_names_the_kernels_and_a_missing_tokamax():
+  cfg = config_lib.load("configs/bench-v3-1b.yaml")
+  line = kernels.summary(cfg, "gpu", 8.0, tokamax=True)
+  assert line.startswith("kernels on sm_80: attention triton") and "expert GEMM tokamax_triton" in line
+  assert "loss chunked" in line and "tokamax is not installed" not in line
+  assert "attention mosaic" in kernels.summary(cfg, "gpu", 9.0, tokamax=True)
+  missing = kernels.summary(cfg, "gpu", 9.0, tokamax=False)
+  assert "attention blocked" in missing and "expert GEMM blocked" in missing
+  assert "tokamax is not installed" in missing and "pip install" in missing
+  cudnn = kernels.summary(config_lib.load("configs/bench-v3-1b.yaml", ["model.attention_impl=cudnn"]), "gpu", 9.0,
+                          tokamax=True)
+  assert "attention cudnn" in cudnn and "square of train.seq_len" in cudnn
+  assert kernels.summary(cfg, "cpu").startswith("kernels on cpu: attention blocked")
 
 
 def expert_inputs(R=40, D=12, M=10, E=5, seed=1):

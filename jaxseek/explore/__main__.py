@@ -1,7 +1,7 @@
 """The sharding layout explorer: memory, layout and communication of a config on a mesh, without the hardware.
 
 python -m jaxseek.explore --config FILE [section.key=value ...] [--devices N] [--device-memory h100-80g]
-                          [--compile [--target h200|h100]] [--suggest] [--json PATH] [--plot PATH.png]
+                          [--compile [--target h200|h100|a100|b200]] [--suggest] [--json PATH] [--plot PATH.png]
 
 --compile alone compiles the real train step on simulated CPU devices; with --target it compiles for that many
 GPUs (--devices-per-node to a host) without a GPU, through the CUDA build of JAX (pip install -e '.[gpu]').
@@ -21,7 +21,7 @@ from jaxseek.errors import UserError, cli, writable_file
 from jaxseek.explore import core as explore
 from jaxseek.explore import report
 from jaxseek.explore import suggest as explore_suggest
-from jaxseek.explore.gpu import TARGETS
+from jaxseek.explore.gpu import TARGET_MEMORY, TARGETS
 
 COMPILE_MAX_DEVICES = 64  # simulated CPU devices: compile time and host memory grow with their number
 
@@ -87,7 +87,7 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # never a CUDA client: the GPU devices are compile-only
-    args.device_memory = args.device_memory or {"h200": "h200-141g", "h100": "h100-80g"}[args.target]
+    args.device_memory = args.device_memory or TARGET_MEMORY[args.target]
   model = explore.describe(cfg)
   hw = explore.hardware(args.device_memory, peak_tflops=args.peak_tflops, intra_node_gbps=args.intra_node_gbps,
                         inter_node_gbps=args.inter_node_gbps, devices_per_node=args.devices_per_node,

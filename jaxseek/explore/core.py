@@ -17,6 +17,7 @@ from typing import Any
 from jaxseek.config import Config
 from jaxseek.errors import UserError
 from jaxseek.metrics import PEAK_TFLOPS
+from jaxseek.model import kernels
 from jaxseek.explore import comm as comm_lib
 from jaxseek.explore import layout as layout_lib
 from jaxseek.explore import memory as memory_lib
@@ -31,7 +32,10 @@ __all__ = ["GPUS", "Hardware", "Model", "describe", "hardware", "layout", "mesh_
 SCHEMA = 1
 # Named devices: memory in MiB as the driver reports it, and the PEAK_TFLOPS key (dense bf16).
 GPUS = {"h100-80g": (81559, "h100"), "h800-80g": (81559, "h800"), "h200-141g": (143771, "h200"),
-        "a100-80g": (81920, "a100"), "a100-40g": (40960, "a100")}
+        "a100-80g": (81920, "a100"), "a100-40g": (40960, "a100"), "b200-180g": (182642, "b200")}
+# CUDA compute capability by PEAK_TFLOPS key: which kernels `auto` picks there (model/kernels.py)
+CAPABILITY = {"h100": 9.0, "h800": 9.0, "h200": 9.0, "gh200": 9.0, "a100": 8.0, "a800": 8.0, "l40s": 8.9,
+              "b200": 10.0}
 DEFAULT_GPU = "h100-80g"
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*(gib|gb|mib|mb|tib|tb|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "mb": 1e6, "gb": 1e9, "tb": 1e12, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -42,13 +46,13 @@ def hardware(device_memory: str | None = None, *, peak_tflops: float | None = No
              devices_per_node: int = 8, usable_fraction: float = 0.9) -> Hardware:
   """A named GPU ("h100-80g"), a size ("80GiB", "75GB", "7.5e10"), or None: the local accelerator if there is
   one, else h100-80g."""
-  name, memory, peak = _device(device_memory)
+  name, memory, peak, cc = _device(device_memory)
   links = {k: v for k, v in (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps)) if v}
   return Hardware(name, memory, peak_tflops or peak, devices_per_node=devices_per_node,
-                  usable_fraction=usable_fraction, **links)
+                  usable_fraction=usable_fraction, capability=cc, **links)
 
 
-def _device(device_memory: str | None) -> tuple[str, int, float]:
+def _device(device_memory: str | None) -> tuple[str, int, float, float]:
   if device_memory is None:
     detected = _detect()
     if detected:
@@ -57,18 +61,21 @@ def _device(device_memory: str | None) -> tuple[str, int, float]:
   key = device_memory.strip().lower()
   if key in GPUS:
     mib, peak_key = GPUS[key]
-    return key, mib * 2**20, PEAK_TFLOPS[peak_key]
+    return key, mib * 2**20, PEAK_TFLOPS[peak_key], CAPABILITY[peak_key]
   match = _SIZE.match(key)
   if not match:
     raise UserError(f"--device-memory {device_memory!r} is neither a known device ({', '.join(GPUS)}) nor a size "
                     f"like 80GiB or 75GB")
   nbytes = int(float(match.group(1)) * _UNITS[(match.group(2) or "gb").lower()])
-  return f"{device_memory.strip()} device", nbytes, PEAK_TFLOPS[GPUS[DEFAULT_GPU][1]]
+  default = GPUS[DEFAULT_GPU][1]
+  return f"{device_memory.strip()} device", nbytes, PEAK_TFLOPS[default], CAPABILITY[default]
 
 
-def _detect() -> tuple[str, int, float] | None:
-  """The local accelerator's name, memory limit and peak, when JAX sees one."""
+def _detect() -> tuple[str, int, float, float] | None:
+  """The local accelerator's name, memory limit, peak and compute capability, when JAX sees one."""
   import jax
+
+  from jaxseek.model import kernels
 
   device = jax.local_devices()[0]
   if device.platform == "cpu":
@@ -76,7 +83,8 @@ def _detect() -> tuple[str, int, float] | None:
   limit = (device.memory_stats() or {}).get("bytes_limit")
   kind = device.device_kind.lower().replace(" ", "")
   peak = next((v for k, v in PEAK_TFLOPS.items() if k in kind), PEAK_TFLOPS[GPUS[DEFAULT_GPU][1]])
-  return (device.device_kind, int(limit), peak) if limit else None
+  cc = kernels.capability(device) or CAPABILITY[GPUS[DEFAULT_GPU][1]]
+  return (device.device_kind, int(limit), peak, cc) if limit else None
 
 
 def mesh_sizes(cfg: Config, devices: int | None) -> dict[str, int]:
@@ -131,7 +139,9 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
                 "pipeline_repeats": t.pipeline_repeats,
                 "remat": t.remat, "compute_dtype": t.compute_dtype, "param_dtype": t.param_dtype,
                 "zero": t.zero, "optimizer_memory": t.optimizer_memory},
+      "kernels": kernels.summary(cfg, platform, hw.capability, tokamax=True, tensor=sizes["tensor"]),
       "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,
+                   "compute_capability": hw.capability,
                    "peak_tflops": hw.peak_tflops, "intra_node_gbps": hw.intra_node_gbps,
                    "inter_node_gbps": hw.inter_node_gbps, "devices_per_node": hw.devices_per_node},
       "parameters": _ordered(layout_lib.parameter_rows(model, sizes)),

@@ -22,7 +22,11 @@ import numpy as np
 from jaxseek.config import Config
 from jaxseek.errors import UserError
 
-TARGETS = {"h200": "h200.txtpb", "h100": "h100_sxm.txtpb"}
+# XLA's own device descriptions (openxla/xla xla/backends/gpu/target_config/specs/), and the --device-memory each
+# target plans with
+TARGETS = {"h200": "h200.txtpb", "h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb", "b200": "b200.txtpb"}
+TARGET_MEMORY = {"h200": "h200-141g", "h100": "h100-80g", "a100": "a100-80g", "b200": "b200-180g"}
+DEVICELESS_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 KERNEL_NAMES = {"mosaic_gpu": "tokamax Mosaic GPU", "triton": "Triton (Pallas)", "cudnn$fmha": "cuDNN attention",
                 "cublas": "cuBLAS GEMM"}
@@ -85,11 +89,17 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
     trainer = step_lib.make_trainer(cfg, mesh)
     step = step_lib.compile_step(trainer, cfg, mesh)
     with jax.set_mesh(mesh):
-      compiled = step.lower(trainer.abstract_state, batch).compile()
+      # XLA takes CUB's radix sort where it holds deviceless scratch sizes (H100) and then asks the CUDA runtime
+      # for a device: the same fallback sort as on the other targets keeps the compile deviceless
+      compiled = step.lower(trainer.abstract_state, batch).compile(DEVICELESS_OPTIONS)
   stats = compiled.memory_analysis()
   text = compiled.as_text()
   calls = collections.Counter(CUSTOM_CALL.findall(text))
+  from jaxseek.model import kernels
+
   return {"target": target, "devices": n, "hosts": n // per_host, "device_kind": devices[0].device_kind,
+          "compute_capability": kernels.capability(devices[0]),
+          "kernel_choice": kernels.summary(cfg, *kernels.device_target(devices[0]), tensor=sizes["tensor"]),
           "argument_bytes": stats.argument_size_in_bytes, "output_bytes": stats.output_size_in_bytes,
           "alias_bytes": stats.alias_size_in_bytes, "temp_bytes": stats.temp_size_in_bytes,
           "total_bytes": stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes

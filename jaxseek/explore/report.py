@@ -53,6 +53,8 @@ def print_plan(result: dict[str, Any], out: Console | None = None) -> None:
   out.print(f"[bold]{result['model']['model_type']}[/bold]: {result['total_parameters']:,} parameters "
                 f"({result['mtp_parameters']:,} in multi-token prediction) | mesh {mesh} ({result['devices']} "
                 f"devices) | pipeline: {result['pipeline']}")
+  out.print(result["kernels"] if "compiled" not in result or "kernel_choice" not in result["compiled"]
+            else result["compiled"]["kernel_choice"])
   if result.get("pipeline_schedules"):
     sched = _table("Table schedules on these stages (from the tables the step runs; kept: "
                    "train.pipeline_recompute=false, F keeps the forward's residuals, else b recomputes the forward)",

@@ -34,7 +34,8 @@ def attend(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, segment_ids_
   """Causal attention of q [B, T, N, H] over k [B, S, G, H], v [B, S, G, P] (G ≤ N), packed segments apart, by
   the implementation `impl` (model.attention_impl) resolves to: dense (the reference), blocked (memory-linear,
   `flash.py`) or a tokamax GPU kernel."""
-  kind = kernels.attention_kind(impl, k_BSGH.shape[1], dtype=q_BTNH.dtype)
+  kind = kernels.attention_kind(impl, k_BSGH.shape[1], dtype=q_BTNH.dtype,
+                                head_dims=(q_BTNH.shape[-1], v_BSGP.shape[-1]))
   args = (q_BTNH, k_BSGH, v_BSGP, segment_ids_BT, scale, key_segment_ids_BS, query_offset)
   if kind == "dense":
     out = dense_attention(*args)

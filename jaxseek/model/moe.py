@@ -261,7 +261,7 @@ def ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, implementation=
 def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str = "auto") -> jax.Array:
   """SwiGLU of rows sorted by expert (group e has sizes_E[e] rows; rows past the groups give zeros), by the
   grouped matmul `matmul` (model.moe_matmul) resolves to (`kernels.matmul_kind`)."""
-  kind = kernels.matmul_kind(matmul, dtype=x_RD.dtype)
+  kind = kernels.matmul_kind(matmul, dtype=x_RD.dtype, dims=(x_RD.shape[-1], w_gate_EDm.shape[-1]))
   if kind in kernels.GPU_MATMUL:
     return ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, kernels.GPU_MATMUL[kind])
   ffn = ffn_blocked if kind == "blocked" else ffn_ragged
@@ -295,27 +295,30 @@ def capacity(tokens: int, k: int, shards: int, local_experts: int, factor: float
   return max(1, min(worst, math.ceil(factor * tokens * k / shards)))
 
 
-def send_slots(dest_J: jax.Array, shards: int, cap: int) -> jax.Array:
-  """Buffer slot of each copy: destination · C + its rank among that destination's copies; dropped: P·C."""
+def send_slots(dest_J: jax.Array, shards: int, cap: int, valid_J: jax.Array | None = None) -> jax.Array:
+  """Buffer slot of each copy: destination · C + its rank among that destination's copies; dropped: P·C. Copies
+  of padding tokens (valid_J false) are dropped and rank after every real copy, so they take no capacity."""
   J = dest_J.shape[0]
-  order_J = jnp.argsort(dest_J, stable=True)
+  order_J = jnp.argsort(dest_J if valid_J is None else dest_J * 2 + (1 - valid_J.astype(dest_J.dtype)), stable=True)
   count_P = jnp.bincount(dest_J, length=shards)
   rank_sorted_J = jnp.arange(J) - (jnp.cumsum(count_P) - count_P)[dest_J[order_J]]
   rank_J = jnp.zeros((J,), jnp.int32).at[order_J].set(rank_sorted_J.astype(jnp.int32))
-  return jnp.where(rank_J < cap, dest_J * cap + rank_J, shards * cap)
+  keep_J = rank_J < cap if valid_J is None else (rank_J < cap) & valid_J.astype(bool)
+  return jnp.where(keep_J, dest_J * cap + rank_J, shards * cap)
 
 
 def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
-                     shards: int, cap: int, matmul: str = "auto", fp8_dispatch: bool = False
-                     ) -> tuple[jax.Array, jax.Array]:
+                     shards: int, cap: int, matmul: str = "auto", fp8_dispatch: bool = False,
+                     valid_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Expert-parallel computation with fixed buffers: all_to_all out, grouped matmuls, all_to_all back.
 
-  Returns the (partial, if m < M) output [X, D] and which copies were kept [K, X] (k-major, as buffered).
+  Tokens with valid_X false (padding) are not sent and take no capacity (their output is zero). Returns the
+  (partial, if m < M) output [X, D] and which copies were kept [K, X] (k-major, as buffered).
   """
   X, K = idx_XK.shape
   D, e = x_XD.shape[1], w_gate_eDm.shape[0]
   idx_J = idx_XK.T.reshape(-1)  # copy j = k·X + x: first choices fill the buffers first
-  slot_J = send_slots(idx_J // e, shards, cap)
+  slot_J = send_slots(idx_J // e, shards, cap, None if valid_X is None else jnp.tile(valid_X, K))
   rows = shards * cap
   copy_R = jnp.full((rows,), K * X, jnp.int32).at[slot_J].set(jnp.arange(K * X, dtype=jnp.int32), mode="drop")
   filled_R = copy_R < K * X
@@ -384,18 +387,19 @@ def ragged_plan(count_PE: jax.Array, me: jax.Array | int, rows: int) -> RaggedPl
 
 def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
                             shards: int, cap: int, rows: int, matmul: str = "auto", fp8_dispatch: bool = False,
-                            exchange: Callable = jax.lax.ragged_all_to_all) -> tuple[jax.Array, jax.Array]:
+                            exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None
+                            ) -> tuple[jax.Array, jax.Array]:
   """Expert-parallel computation with exact sizes: counts all-gathered, `ragged_all_to_all` of the routed copies
   into R = `rows` rows grouped by local expert, grouped matmuls, `ragged_all_to_all` back, weighted combine.
 
   The capacity rule (`cap` per destination, k-major) applies first, as in `experts_parallel`; copies past R on
-  their receiver are dropped too. `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on
+  their receiver are dropped too, and padding tokens' (valid_X false) are never sent. `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on
   CPU, where XLA has none). Returns the (partial, if m < M) output [X, D] and which copies were kept [K, X].
   """
   X, K = idx_XK.shape
   D, e = x_XD.shape[1], w_gate_eDm.shape[0]
   J = K * X
-  order_J, key_J, count_E = send_order(idx_XK, shards, e, cap)
+  order_J, key_J, count_E = send_order(idx_XK, shards, e, cap, valid_X)
   count_PE = jax.lax.all_gather(count_E, axes).reshape(shards, shards * e)
   plan = ragged_plan(count_PE, jax.lax.axis_index(axes), rows)
 
@@ -416,14 +420,15 @@ def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_do
   return y_XD, kept_sorted(key_J, plan)[position_J].reshape(K, X)
 
 
-def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int
+def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int, valid_X: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The ragged send buffer's order: copies (j = k·X + x) sorted by global expert, so by destination and within
   one by local expert, k-major within one expert; copies the capacity rule drops go last (key E, never sent).
   Returns the copy at each position [J], its key [J] and the copies per expert within capacity [E]."""
   E = shards * local_experts
   idx_J = idx_XK.T.reshape(-1)
-  key_J = jnp.where(send_slots(idx_J // local_experts, shards, cap) < shards * cap, idx_J, E)
+  valid_J = None if valid_X is None else jnp.tile(valid_X, idx_XK.shape[1])
+  key_J = jnp.where(send_slots(idx_J // local_experts, shards, cap, valid_J) < shards * cap, idx_J, E)
   order_J = jnp.argsort(key_J, stable=True)
   return order_J, key_J[order_J], jnp.bincount(key_J, length=E + 1)[:E].astype(jnp.int32)
 
@@ -525,10 +530,11 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
       if ragged:
         rows = receive_rows(b * t, K, shards, cap, recv_factor)
         y_xD, kept_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD,
-                                                expert_axes, shards, cap, rows, matmul, fp8_dispatch)
+                                                expert_axes, shards, cap, rows, matmul, fp8_dispatch,
+                                                valid_X=valid_x > 0)
       else:
         y_xD, kept_Kx = experts_parallel(x_xD, idx_xK, weights_xK, w_gate_eDm, w_up_eDm, w_down_emD, expert_axes,
-                                         shards, cap, matmul, fp8_dispatch)
+                                         shards, cap, matmul, fp8_dispatch, valid_X=valid_x > 0)
       dropped = ((1.0 - kept_Kx.astype(jnp.float32)) * valid_x).sum()
     y_btD = psum(y_xD.reshape(b, t, D), tensor_axes)
     chosen_xE = jax.nn.one_hot(idx_xK, E, dtype=jnp.float32).sum(-2) * valid_x[:, None]
@@ -551,7 +557,8 @@ def routed_experts(x_BTD, valid_BT, w_router_DE, bias_E, w_gate_EDM, w_up_EDM, w
   # Off too inside gradsum's shard_map manual over `expert` (its values vary there without a type that says so).
   outer = set(jax.sharding.get_abstract_mesh().manual_axes) & set(expert_axes)
   check = not rules.reserved_axes() and not outer and \
-      kernels.matmul_kind(matmul, dtype=w_gate_EDM.dtype) not in kernels.GPU_MATMUL
+      kernels.matmul_kind(matmul, dtype=w_gate_EDM.dtype, dims=(w_gate_EDM.shape[1], w_gate_EDM.shape[2] // (
+          math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in tensor_axes)))) not in kernels.GPU_MATMUL
   return jax.shard_map(local, in_specs=(tokens, seqs, replicated, replicated, w_in, w_in, w_out),
                        out_specs=(tokens, replicated, rules.activation_spec(("batch",)), replicated),
                        check_vma=check)(*args)
