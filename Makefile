@@ -48,7 +48,7 @@ $(GPU_VENV)/.installed: pyproject.toml $(LOCK) | $(VENV)/.installed
 	touch $@
 
 test-gpu-compile: $(GPU_VENV)/.installed
-	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q tests_gpu
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -p no:warnings tests_gpu
 
 # wheels for benchmarks/gpu_suite.sh on a GPU machine without network (Python 3.11-3.13, x86-64 Linux)
 gpu-wheels: | $(VENV)/.installed

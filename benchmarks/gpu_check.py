@@ -105,18 +105,19 @@ def loss_cases():
   yield "loss chunked", loss("chunked"), loss("full"), (h, head), 1e-2
 
 
-def attention_memory(impl: str, T: int, B: int = 1, N: int = 16, K: int = 192, P: int = 128) -> int:
-  """Compiled temporary bytes of one packed-document attention's value and gradients (bf16, MLA head dims)."""
-  q = jax.ShapeDtypeStruct((B, T, N, K), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((B, T, N, K), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((B, T, N, P), jnp.bfloat16)
-  seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), T // 4)[None].repeat(B, 0)
+def attention_memory(impl: str, T: int, B: int = 1, N: int = 16, K: int = 192, P: int = 128, sharding=None) -> int:
+  """Compiled temporary bytes of one packed-document attention's value and gradients (bf16, MLA head dims);
+  `sharding`: where to compile (default: the default device; a compile-only GPU device for a deviceless run)."""
+  q = jax.ShapeDtypeStruct((B, T, N, K), jnp.bfloat16, sharding=sharding)
+  k = jax.ShapeDtypeStruct((B, T, N, K), jnp.bfloat16, sharding=sharding)
+  v = jax.ShapeDtypeStruct((B, T, N, P), jnp.bfloat16, sharding=sharding)
+  seg = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding)
   if impl == "blocked":
-    fn = lambda q, k, v: flash.attention(q, k, v, seg, K**-0.5)
+    fn = lambda q, k, v, seg: flash.attention(q, k, v, seg, K**-0.5)
   else:
-    fn = lambda q, k, v: kernels.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
-  loss = lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum()
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    fn = lambda q, k, v, seg: kernels.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
+  loss = lambda q, k, v, seg: fn(q, k, v, seg).astype(jnp.float32).sum()
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, seg).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -24,11 +24,17 @@ def tiny(name: str, *overrides: str):
 
 
 
-@pytest.mark.parametrize("name", ["tiny-v3", "tiny-dense"])
-def test_cached_decode_equals_full_forward(name):
+@pytest.mark.parametrize("name, impl", [("tiny-v3", "auto"), ("tiny-dense", "auto"), ("tiny-v3", "blocked"),
+                                        ("tiny-dense", "blocked")])
+def test_cached_decode_equals_full_forward(name, impl, monkeypatch):
   """Prefill 5 tokens (row 1 left-padded by 2), then decode 6 one at a time: each step's logits equal the full
-  forward pass's at that position."""
-  model, cfg = tiny(name)
+  forward pass's at that position. The prefill attends through model.attention_impl (blocked: flash.attention)."""
+  from jaxseek.model import flash
+
+  calls = []
+  real = flash.attention
+  monkeypatch.setattr(flash, "attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+  model, cfg = tiny(name, f"model.attention_impl={impl}")
   rng = np.random.default_rng(0)
   T0, steps = 5, 6
   seqs = [rng.integers(1, cfg.vocab_size, T0 + steps), rng.integers(1, cfg.vocab_size, T0 - 2 + steps)]
@@ -39,10 +45,15 @@ def test_cached_decode_equals_full_forward(name):
   full = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(both)))
   cache = decode.init_cache(model, 2, T0 + steps)
   step = nnx.jit(decode.step)
-  logits, cache = step(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), cache, 0)
+  prefill = nnx.jit(lambda *a: decode.step(*a, 0))  # slot 0 static, as generate's prefill passes it
+  logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), cache)
   np.testing.assert_allclose(logits[0, -1], full[0][T0 - 1], rtol=TOL, atol=TOL)
   np.testing.assert_allclose(logits[1, -1], full[1][T0 - 3], rtol=TOL, atol=TOL)
   np.testing.assert_allclose(logits[0], full[0][:T0], rtol=TOL, atol=TOL)  # every prompt position
+  layers = cfg.num_dense_layers + cfg.num_moe_layers
+  prompt_calls = [shape for shape in calls if shape[1] == T0]
+  assert len(prompt_calls) == (0 if impl == "auto" else (cfg.num_dense_layers > 0) + (cfg.num_moe_layers > 0)) \
+      and layers > 0  # traced once per stack (the layers are scanned); auto at 5 tokens is the dense reference
   for i in range(steps - 1):
     new = jnp.asarray([[seqs[0][T0 + i]], [seqs[1][T0 - 2 + i]]], jnp.int32)
     pos = jnp.asarray([[T0 + i], [T0 - 2 + i]], jnp.int32)

@@ -213,7 +213,9 @@ def test_startup_summary_names_the_kernels_and_a_missing_tokamax():
   line = kernels.summary(cfg, "gpu", 8.0, tokamax=True)
   assert line.startswith("kernels on sm_80: attention triton") and "expert GEMM tokamax_triton" in line
   assert "loss chunked" in line and "tokamax is not installed" not in line
-  assert "attention mosaic" in kernels.summary(cfg, "gpu", 9.0, tokamax=True)
+  assert "triton builds a dense [batch, query, key] mask" in line and "in its backward" in line
+  hopper = kernels.summary(cfg, "gpu", 9.0, tokamax=True)
+  assert "attention mosaic" in hopper and "dense" not in hopper
   missing = kernels.summary(cfg, "gpu", 9.0, tokamax=False)
   assert "attention blocked" in missing and "expert GEMM blocked" in missing
   assert "tokamax is not installed" in missing and "pip install" in missing
@@ -231,13 +233,15 @@ def expert_inputs(R=40, D=12, M=10, E=5, seed=1):
   return x, sizes, ws, jax.random.normal(ks[4], (R, D))
 
 
-def test_tokamax_grouped_matmul_path_equals_blocked():
-  """moe.ffn_tokamax (gate and up fused into one grouped GEMM) through tokamax's XLA implementation."""
+@pytest.mark.parametrize("pad_to", [None, 64])
+def test_tokamax_grouped_matmul_path_equals_blocked(pad_to):
+  """moe.ffn_tokamax (gate and up fused into one grouped GEMM) through tokamax's XLA implementation; with
+  pad_to=64 (as for Mosaic) the 40 rows are padded to whole tiles and the padding sliced off."""
   pytest.importorskip("tokamax")
   x, sizes, ws, w = expert_inputs()
   used = (jnp.arange(x.shape[0]) < sizes.sum())[:, None]
   run = lambda f: lambda x, *ws: jnp.where(used, f(x, sizes, *ws), 0)
-  tok = run(lambda *a: moe.ffn_tokamax(*a, implementation="xla"))
+  tok = run(lambda *a: moe.ffn_tokamax(*a, implementation="xla", pad_to=pad_to))
   ref = run(moe.ffn_blocked)
   np.testing.assert_allclose(tok(x, *ws), ref(x, *ws), atol=1e-5)
   gt = jax.grad(lambda *a: (tok(*a) * w).sum(), argnums=(0, 1, 2, 3))(x, *ws)

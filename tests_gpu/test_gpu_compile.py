@@ -124,3 +124,20 @@ def test_gradients_are_reduced_once_per_step_not_per_microbatch(layout):
   11,455 vs 6,307 MiB on the 1F1B pipeline)."""
   one, four = (gradient_sum_bytes(*layout, f"train.microbatches={m}") for m in (1, 4))
   assert 0 < four <= 1.1 * one, (one, four)
+
+
+@pytest.mark.parametrize("target, family, choice", [
+    ("a100", "Triton (Pallas)", "kernels on sm_80: attention triton"),
+    ("b200", "Triton (Pallas)", "kernels on sm_100: attention triton"),
+    ("h100", "tokamax Mosaic GPU", "kernels on sm_90: attention mosaic")])
+def test_each_gpu_kind_compiles_with_the_kernels_it_runs(target, family, choice):
+  """A small MLA + MoE model (head dims 192/128, widths in tiles of 64, a length that is not a whole number of
+  Mosaic blocks) compiled for each target with `auto`: the kernels of that capability, no other family."""
+  cfg = config_lib.load("configs/tiny-v3.yaml", [
+      "mesh.data=1", "train.compute_dtype=bfloat16", "train.seq_len=200", "train.batch_size=2",
+      "model.max_position_embeddings=256",
+      "model.hidden_size=256", "model.moe_intermediate_size=128", "model.num_attention_heads=2",
+      "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=128", "model.kv_lora_rank=64"])
+  got = explore_gpu.compile_for_target(cfg, cfg.mesh.sizes() | {"data": 1}, target, 1)
+  assert got["kernel_choice"].startswith(choice)
+  assert set(got["kernels"]) == {family} and got["kernels"][family] > 0

@@ -12,6 +12,8 @@ Cache per stack (leading axis L = the stack's layers, scanned with the layer par
           out = (softmax(scores) · c_kv) · W_uv  [B, T, N, P]
   GQA:  k, v [L, B, S, G, H].
 Bytes per token and layer: MLA (C + R) · bytes, GQA 2 · G · H · bytes (`cache_bytes_per_token`).
+The prefill (the prompts from slot 0) attends over its own keys through model.attention_impl, as training does
+(blocked, a GPU kernel, or dense): no [T, S] scores for a long prompt. Decode steps (T = 1) score the cache.
 Multi-token-prediction layers are not run.
 """
 
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseek.config import ModelConfig
-from jaxseek.model.attention import MLA, NEG
+from jaxseek.model.attention import MLA, NEG, attend, expand_latent
 from jaxseek.model.transformer import Block, Stack, Transformer
 
 STACKS = ("dense_layers", "moe_layers")
@@ -63,11 +65,27 @@ def _write(cache_BS, new_BT, start):
   return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT.astype(cache_BS.dtype), start, axis=1)
 
 
-def mla_step(attn: MLA, x_BTD, positions_BT, cache: dict, start, visible_BTS):
-  """MLA over the latent cache with the up-projections absorbed into the query and the output."""
+def prefill(start) -> bool:
+  """Whether this step writes the prompts from slot 0 (a static 0): its queries see only its own keys."""
+  return isinstance(start, int) and start == 0
+
+
+def _prompt_attention(attn, q_BTNK, k_BTGK, v_BTGP, valid_BT):
+  """The prefill's attention over its own keys through model.attention_impl (`attention.attend`: blocked, a GPU
+  kernel, or dense), padding as segment 0 beside the prompt's segment 1: memory linear in the prompt length."""
+  return attend(q_BTNK, k_BTGK, v_BTGP, (valid_BT > 0).astype(jnp.int32), attn.scale, impl=attn.impl)
+
+
+def mla_step(attn: MLA, x_BTD, positions_BT, valid_BT, cache: dict, start, visible_BTS):
+  """MLA over the latent cache with the up-projections absorbed into the query and the output; the prefill
+  expands the prompt's latents to keys and values and runs the configured attention over them."""
   w = lambda p: p[...].astype(attn.dtype)
   q_BTNH, qr_BTNR, ckv_BTC, kr_BT1R = attn.project(x_BTD, positions_BT)
   ckv_BSC, kr_BSR = _write(cache["ckv"], ckv_BTC, start), _write(cache["kr"], kr_BT1R[:, :, 0], start)
+  if prefill(start):
+    k_BTNK, v_BTNP = expand_latent(ckv_BTC.astype(attn.dtype), kr_BT1R, w(attn.w_uk_CNH), w(attn.w_uv_CNP))
+    out_BTNP = _prompt_attention(attn, jnp.concatenate([q_BTNH, qr_BTNR], -1), k_BTNK, v_BTNP, valid_BT)
+    return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(attn.w_o_NPD)), {"ckv": ckv_BSC, "kr": kr_BSR}
   qc_BTNC = jnp.einsum("BTNH,CNH->BTNC", q_BTNH, w(attn.w_uk_CNH))
   scores_BNTS = (jnp.einsum("BTNC,BSC->BNTS", qc_BTNC, ckv_BSC.astype(attn.dtype), preferred_element_type=jnp.float32)
                  + jnp.einsum("BTNR,BSR->BNTS", qr_BTNR, kr_BSR.astype(attn.dtype),
@@ -79,11 +97,15 @@ def mla_step(attn: MLA, x_BTD, positions_BT, cache: dict, start, visible_BTS):
   return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(attn.w_o_NPD)), {"ckv": ckv_BSC, "kr": kr_BSR}
 
 
-def gqa_step(attn, x_BTD, positions_BT, cache: dict, start, visible_BTS):
-  """Multi-head / grouped-query attention over cached keys and values (N/G query heads share one, "n")."""
+def gqa_step(attn, x_BTD, positions_BT, valid_BT, cache: dict, start, visible_BTS):
+  """Multi-head / grouped-query attention over cached keys and values (N/G query heads share one, "n"); the
+  prefill runs the configured attention over the prompt's own keys."""
   w = lambda p: p[...].astype(attn.dtype)
   q_BTNH, k_BTGH, v_BTGH = attn.project(x_BTD, positions_BT)
   k_BSGH, v_BSGH = _write(cache["k"], k_BTGH, start), _write(cache["v"], v_BTGH, start)
+  if prefill(start):
+    out_BTNH = _prompt_attention(attn, q_BTNH, k_BTGH, v_BTGH, valid_BT)
+    return jnp.einsum("BTNH,NHD->BTD", out_BTNH, w(attn.w_o_NHD)), {"k": k_BSGH, "v": v_BSGH}
   B, T, N, H = q_BTNH.shape
   G = k_BSGH.shape[2]
   q_BTGnH = q_BTNH.reshape(B, T, G, N // G, H)
@@ -97,8 +119,8 @@ def gqa_step(attn, x_BTD, positions_BT, cache: dict, start, visible_BTS):
 
 def block_step(block: Block, x_BTD, positions_BT, valid_BT, start, visible_BTS, cache: dict):
   """Block.__call__ with the cached attention; the MoE routes each token as in training (padding not counted)."""
-  attend = mla_step if isinstance(block.attn, MLA) else gqa_step
-  a_BTD, cache = attend(block.attn, block.attn_norm(x_BTD), positions_BT, cache, start, visible_BTS)
+  attention = mla_step if isinstance(block.attn, MLA) else gqa_step
+  a_BTD, cache = attention(block.attn, block.attn_norm(x_BTD), positions_BT, valid_BT, cache, start, visible_BTS)
   x_BTD = x_BTD + a_BTD
   h_BTD = block.mlp_norm(x_BTD)
   y_BTD = block.mlp(h_BTD, valid_BT)[0] if block.moe else block.mlp(h_BTD)

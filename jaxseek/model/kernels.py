@@ -53,6 +53,10 @@ LABELS = {"mosaic": "tokamax Mosaic GPU flash kernel", "triton": "tokamax Triton
           "full": "XLA, the whole batch's logits at once"}
 
 
+# tokamax kernels that turn the per-query key ranges into a dense boolean mask, and where
+DENSE_MASK = {"cudnn": "forward and backward", "triton": "in its backward"}
+
+
 def capability(device=None) -> float | None:
   """The CUDA compute capability of `device` (8.0, 9.0, 10.0; None for other platforms). Default: the default
   device, which a deviceless compile sets to the target GPU (explore/gpu.py), as tokamax itself reads it."""
@@ -199,9 +203,10 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
   line = f"kernels on {where if where != 'gpu' else sm(cc)}: " + " | ".join(parts)
   if where == "gpu" and not installed and "auto" in (m.attention_impl, m.moe_matmul):
     line += " — tokamax is not installed, so auto takes XLA's paths: pip install -e '.[gpu]' for the GPU kernels"
-  if attention == "cudnn":
-    line += (" — cudnn builds a dense [batch, query, key] mask of the packed documents inside tokamax: its memory "
-             "grows with the square of train.seq_len (docs/kernels.md)")
+  if attention in DENSE_MASK:
+    line += (f" — {attention} builds a dense [batch, query, key] mask of the packed documents inside tokamax "
+             f"({DENSE_MASK[attention]}): 1 byte per query-key pair, growing with the square of train.seq_len "
+             f"(docs/kernels.md)")
   return line
 
 

@@ -250,12 +250,17 @@ def _swiglu_blocks_bwd(residuals, dy_NnD):
 _swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
 
 
-def ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, implementation="mosaic"):
-  """SwiGLU per expert group with tokamax's grouped GEMM kernels (GPU): gate and up as one [D, 2m] product."""
+def ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, implementation="mosaic", pad_to=None):
+  """SwiGLU per expert group with tokamax's grouped GEMM kernels (GPU): gate and up as one [D, 2m] product. The
+  rows are padded to whole Mosaic tiles (the weight gradient's kernel takes R in multiples of 64); padded rows lie
+  past the groups and give zeros."""
+  R = x_RD.shape[0]
+  pad = -R % (pad_to or (kernels.MOSAIC_GEMM_TILE if implementation == "mosaic" else 1))
+  x_RD = jnp.pad(x_RD, ((0, pad), (0, 0))) if pad else x_RD
   w_in_ED2m = jnp.concatenate([w_gate_EDm, w_up_EDm], axis=-1)
   gate_up_R2m = kernels.tokamax_ragged_dot(x_RD, w_in_ED2m, sizes_E, implementation)
   gate_Rm, up_Rm = jnp.split(gate_up_R2m, 2, axis=-1)
-  return kernels.tokamax_ragged_dot(jax.nn.silu(gate_Rm) * up_Rm, w_down_EmD, sizes_E, implementation)
+  return kernels.tokamax_ragged_dot(jax.nn.silu(gate_Rm) * up_Rm, w_down_EmD, sizes_E, implementation)[:R]
 
 
 def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str = "auto") -> jax.Array:
