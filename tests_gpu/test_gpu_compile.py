@@ -141,3 +141,24 @@ def test_each_gpu_kind_compiles_with_the_kernels_it_runs(target, family, choice)
   got = explore_gpu.compile_for_target(cfg, cfg.mesh.sizes() | {"data": 1}, target, 1)
   assert got["kernel_choice"].startswith(choice)
   assert set(got["kernels"]) == {family} and got["kernels"][family] > 0
+
+
+def test_kernels_inside_pipeline_stages_gather_no_activations():
+  """8 H200s, pipeline 2 × data 2 × tensor 2: the kernels run inside the stage's shard_map (manual over pipeline)
+  mapped over data and tensor, so the step's all-gathers are those of XLA's own paths (a custom call left to
+  GSPMD gathered the batch and heads: 28.5 MB over tensor and 11.5 MB over pipeline per device before)."""
+  from jaxseek.explore import compile as explore_compile
+
+  base = ["train.compute_dtype=bfloat16", "train.seq_len=256", "train.batch_size=8", "train.microbatches=4",
+          "model.max_position_embeddings=256", "model.hidden_size=256", "model.moe_intermediate_size=128",
+          "model.intermediate_size=256", "model.num_attention_heads=4", "model.qk_nope_head_dim=128",
+          "model.qk_rope_head_dim=64", "model.v_head_dim=128", "model.kv_lora_rank=64", "model.num_hidden_layers=5",
+          "mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"]
+  gathered = {}
+  for impl in ("auto", "blocked"):
+    cfg = config_lib.load("configs/tiny-v3.yaml", base + [f"model.attention_impl={impl}", f"model.moe_matmul={impl}"])
+    got = explore_gpu.compile_for_target(cfg, cfg.mesh.sizes(), "h200", 8)
+    if impl == "auto":
+      assert set(got["kernels"]) == {"tokamax Mosaic GPU"}
+    gathered[impl] = explore_compile.collective_bytes(got["hlo"], tuple(cfg.mesh.sizes().values()))["all-gather"]
+  assert gathered["auto"] == gathered["blocked"]

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 
 from jaxseek.errors import UserError
 from jaxseek.model import flash
-from jaxseek.sharding import rules
 
 GPU_ATTENTION = ("mosaic", "triton", "cudnn")
 GPU_MATMUL = {"tokamax": "mosaic", "tokamax_triton": "triton"}
@@ -325,9 +324,3 @@ def tokamax_ragged_dot(x_RD, w_EDF, sizes_E, implementation: str = "mosaic"):
   if impl is None:
     raise UserError(f"config key model.moe_matmul: tokamax has no {implementation} kernel here; use auto")
   return tokamax.ragged_dot(x_RD, w_EDF, sizes_E.astype(jnp.int32), implementation=(impl,))
-
-
-def manual() -> bool:
-  """Inside a shard_map (or a vmap over mesh axes): arrays are local shards already."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return bool(rules.reserved_axes()) or (not mesh.empty and bool(mesh.manual_axes))
