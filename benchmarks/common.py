@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from jaxseek import config as config_lib  # noqa: E402
 from jaxseek import metrics as metrics_lib  # noqa: E402
 from jaxseek import step as step_lib  # noqa: E402
-from jaxseek.input import pipeline  # noqa: E402
+from jaxseek.input import batches as batches_lib  # noqa: E402
 from jaxseek.sharding.mesh import make_mesh  # noqa: E402
 
 RESULTS = ROOT / "benchmarks/results.jsonl"
@@ -74,7 +74,7 @@ def token_batch(tokens: np.ndarray, mesh) -> dict[str, jax.Array]:
   b, t = tokens.shape[0], tokens.shape[1] - 1
   host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((b, t), np.float32),
           "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)), "segment_ids": np.ones((b, t), np.int32)}
-  shardings = pipeline.batch_shardings(mesh)
+  shardings = batches_lib.batch_shardings(mesh)
   return {k: jax.device_put(v, shardings[k]) for k, v in host.items()}
 
 

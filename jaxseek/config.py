@@ -461,13 +461,23 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def validate(cfg: Config, model_only: bool = False) -> None:
-  """Checks values that do not depend on the devices (the mesh builder checks the device count). `model_only`:
-  skips what ties the model to this run's sequence length (a config.json describes a model, not a run)."""
-  m, t = cfg.model, cfg.train
+  """Checks values that do not depend on the devices (the mesh builder checks the device count), section by
+  section. `model_only`: skips what ties the model to this run's sequence length (a config.json describes a
+  model, not a run)."""
   _positive(cfg, "model.vocab_size", "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
             "train.steps", "train.batch_size", "train.seq_len", "train.microbatches", "train.pipeline_repeats",
             "train.loss_scale_init", "train.loss_scale_window", "train.loss_scale_min", "train.loss_scale_hysteresis",
             "metrics.every")
+  _check_mesh(cfg)
+  _check_model(cfg, model_only)
+  _check_metrics(cfg)
+  _check_optim(cfg)
+  _check_train(cfg)
+  _check_eval(cfg)
+  check_mesh_fit(cfg, cfg.mesh.sizes())
+
+
+def _check_mesh(cfg: Config) -> None:
   if cfg.mesh.num_cpu_devices is not None and cfg.mesh.num_cpu_devices < 1:
     raise UserError(f"config key mesh.num_cpu_devices: {cfg.mesh.num_cpu_devices} must be ≥ 1, or null to use the "
                     f"real devices (not simulated)")
@@ -477,6 +487,10 @@ def validate(cfg: Config, model_only: bool = False) -> None:
   for axis, size in sizes.items():
     if size == 0 or size < -1:
       raise UserError(f"config key mesh.{axis}: {size} is not a valid axis size; use a positive integer or -1")
+
+
+def _check_model(cfg: Config, model_only: bool) -> None:
+  m, t = cfg.model, cfg.train
   if m.is_mla:
     _positive(cfg, "model.qk_nope_head_dim", "model.qk_rope_head_dim", "model.v_head_dim")
     if m.qk_rope_head_dim % 2:
@@ -527,6 +541,9 @@ def validate(cfg: Config, model_only: bool = False) -> None:
   if m.moe_recv_factor <= 0:
     raise UserError(f"config key model.moe_recv_factor: {m.moe_recv_factor} must be > 0 (receive rows as a multiple "
                     f"of K × local tokens; min(mesh.expert, n_routed_experts / num_experts_per_tok) is dropless)")
+
+
+def _check_metrics(cfg: Config) -> None:
   profile = cfg.metrics.profile_steps
   if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
     raise UserError(f"config key metrics.profile_steps: {list(profile)} must be [first, last] with "
@@ -534,8 +551,15 @@ def validate(cfg: Config, model_only: bool = False) -> None:
   port = cfg.metrics.prometheus_port
   if port is not None and not 0 <= port <= 65535:
     raise UserError(f"config key metrics.prometheus_port: {port} is not a port number (0-65535; 0 picks a free one)")
+
+
+def _check_optim(cfg: Config) -> None:
   if cfg.optim.clip_norm < 0:
     raise UserError(f"config key optim.clip_norm: {cfg.optim.clip_norm} must be ≥ 0 (0 turns clipping off)")
+
+
+def _check_train(cfg: Config) -> None:
+  t = cfg.train
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
   if t.pipeline_schedule in ("circular", "interleaved_1f1b") and t.pipeline_repeats < 2:
@@ -557,11 +581,13 @@ def validate(cfg: Config, model_only: bool = False) -> None:
   if t.pipeline_schedule in ("1f1b", "zb_h1") and t.pipeline_repeats != 1:
     raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs one chunk per stage, got "
                     f"train.pipeline_repeats={t.pipeline_repeats}; use interleaved_1f1b for several")
+
+
+def _check_eval(cfg: Config) -> None:
   if cfg.eval.source == "holdout" and "synthetic" in ((cfg.data.source,) if isinstance(cfg.data.source, str)
                                                        else cfg.data.source):
     raise UserError("config key eval.source: holdout needs documents, data.source=synthetic has none; use a "
                     "prepared folder for data.source or eval.source")
-  check_mesh_fit(cfg, cfg.mesh.sizes())
 
 
 # YaRN's keys (DeepSeek's and transformers' names); factor and original_max_position_embeddings are needed.

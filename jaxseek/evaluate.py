@@ -64,7 +64,7 @@ class Evaluator:
   """Training's evaluation: the fixed batches (made once) and the eval step (compiled once, on first use)."""
 
   def __init__(self, cfg: config_lib.Config, mesh: jax.sharding.Mesh, trainer: step_lib.Trainer):
-    self.batches = input_lib.pipeline.eval_batches(cfg, mesh)
+    self.batches = input_lib.batches.eval_batches(cfg, mesh)
     self.step = step_lib.compile_eval(trainer, cfg, mesh)
 
   def __call__(self, state: step_lib.TrainState) -> dict[str, float]:
@@ -139,7 +139,7 @@ def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
   from jaxseek.convert.pretrained import load_pretrained
 
   mesh = mesh_lib.make_mesh(cfg)
-  batches = input_lib.pipeline.eval_batches(cfg, mesh)  # data errors (vocabulary, folder) before the weights load
+  batches = input_lib.batches.eval_batches(cfg, mesh)  # data errors (vocabulary, folder) before the weights load
   with jax.set_mesh(mesh):
     model = load_pretrained(path, param_dtype=cfg.train.param_dtype, dtype=cfg.train.compute_dtype,
                             fp8=cfg.train.fp8)

@@ -247,7 +247,7 @@ def text_codec(tokenizer, chat_template: str | None = None, chat: bool = False):
   user message rendered with the chat template (`chat_template`: a file, "default", or None for the tokenizer's
   own) and its generation prompt, and the template's own special tokens are the only ones added."""
   from jaxseek.input import chat as chat_lib
-  from jaxseek.input.tokenize import _load, chat_variables
+  from jaxseek.input.tokenize import chat_variables, load_tokenizer
 
   if chat:
     try:
@@ -266,7 +266,7 @@ def text_codec(tokenizer, chat_template: str | None = None, chat: bool = False):
     as_bytes = lambda text: list(text.encode("utf-8"))
     return ((lambda text: as_bytes(render(text))) if chat else as_bytes,
             lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"))
-  tok = _load(tokenizer.path)
+  tok = load_tokenizer(tokenizer.path)
   if chat:
     encode = lambda text: tok.encode(render(text), add_special_tokens=False).ids
   else:

@@ -10,7 +10,7 @@ full batch's.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,7 @@ from jaxseek.model import remat as remat_lib
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding import rules, schedules
 from jaxseek.sharding.rules import shard
-
-if TYPE_CHECKING:
-  from jaxseek.step import Trainer, TrainState
+from jaxseek.state import Trainer, TrainState
 
 
 def token_count(mask: jax.Array) -> jax.Array:
@@ -186,21 +184,28 @@ def as_computed(params, dtype: str):
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def accumulated_gradients(grad_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
-  """(grads, ce_sum, mtp_sums, balance, loads) of `batch`, summed over `n_micro` microbatches by a scan (the
-  balance term averaged)."""
+def sum_over_microbatches(fn: Callable, batch: dict[str, jax.Array], n_micro: int):
+  """fn(microbatch) (a tree of sums) summed over `n_micro` microbatches of `batch` by a scan: one microbatch's
+  activations live at a time."""
   if n_micro == 1:
-    (_, aux), grads = grad_fn(params, batch)
-    return (grads, *aux)
+    return fn(batch)
 
   def accumulate(carry, mb):
     mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
-    (_, aux), g = grad_fn(params, mb)
-    return jax.tree.map(jnp.add, carry, (g, *aux)), None
+    return jax.tree.map(jnp.add, carry, fn(mb)), None
 
   first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
-  (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, first)
-  init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (params, *aux_shapes))
+  init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, first))
   microbatches = jax.tree.map(lambda v: pipeline_lib.split_microbatches(v, n_micro), batch)
-  (grads, ce_sum, mtp_sums, balance, loads), _ = jax.lax.scan(accumulate, init, microbatches)
+  return jax.lax.scan(accumulate, init, microbatches)[0]
+
+
+def accumulated_gradients(grad_fn: Callable, params, batch: dict[str, jax.Array], n_micro: int):
+  """(grads, ce_sum, mtp_sums, balance, loads) of `batch`, summed over `n_micro` microbatches (the balance term
+  averaged)."""
+  def one(mb):
+    (_, aux), grads = grad_fn(params, mb)
+    return (grads, *aux)
+
+  grads, ce_sum, mtp_sums, balance, loads = sum_over_microbatches(one, batch, n_micro)
   return grads, ce_sum, mtp_sums, balance / n_micro, loads

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,30 +29,7 @@ from jaxseek.sharding import gradsum
 from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding import rules
 from jaxseek.sharding.rules import param_spec, shard, state_rules
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: nnx.State  # trained by the optimiser
-  biases: nnx.State  # MoE correction biases: updated from expert loads, never by the optimiser
-  opt_state: Any
-  loss_window: jax.Array  # the last train.spike_window accepted losses (NaN until filled), for spike skipping
-  loss_scale: jax.Array  # float16 compute: the dynamic loss scale (1 otherwise)
-  good_steps: jax.Array  # float16 compute: steps since the scale last changed without an overflow
-  overflow_budget: jax.Array  # float16 compute: overflows left before the scale halves (train.loss_scale_hysteresis)
-  grad_residual: Any  # train.grad_compression: each data shard's error-feedback residual [data, ...] (else {})
-
-
-@flax.struct.dataclass
-class Trainer:
-  """The static parts of training: the model's graph, the optimiser, the shardings of state and batch."""
-
-  graphdef: Any = flax.struct.field(pytree_node=False)
-  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
-  state_shardings: Any = flax.struct.field(pytree_node=False)
-  abstract_state: Any = flax.struct.field(pytree_node=False)
-  init: Callable[[], TrainState] = flax.struct.field(pytree_node=False)  # jitted, returns the sharded state
+from jaxseek.state import Trainer, TrainState
 
 
 def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3, optimizer_memory: str = "device") -> Any:
@@ -383,7 +359,7 @@ def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callab
     with rules.sequence_parallel(cfg.mesh.sequence_parallel), pipeline_lib.batch_rules(cfg, dict(mesh.shape)):
       return train_step(trainer, cfg, state, batch)
 
-  return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.pipeline.batch_shardings(mesh, cfg)),
+  return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.batches.batch_shardings(mesh, cfg)),
                  out_shardings=(trainer.state_shardings, None), donate_argnums=0)
 
 
@@ -413,18 +389,7 @@ def eval_sums_accumulated(model_fn: Callable[[], nnx.Module], cfg: config_lib.Co
   """`eval_sums` of `batch`, summed over `train.microbatches` by a scan as training accumulates (so evaluation
   holds no more activations than a training microbatch); `model_fn` merges the model inside the scan."""
   n_micro = 1 if pipeline_lib.stages() > 1 else cfg.train.microbatches
-  if n_micro == 1:
-    return eval_sums(model_fn(), cfg, batch)
-
-  def accumulate(carry, mb):
-    mb = {k: shard(v, ("batch", None)) for k, v in mb.items()}
-    return jax.tree.map(jnp.add, carry, eval_sums(model_fn(), cfg, mb)), None
-
-  first = jax.tree.map(lambda v: v[:v.shape[0] // n_micro], batch)
-  init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda b: eval_sums(model_fn(), cfg, b),
-                                                                           first))
-  microbatches = jax.tree.map(lambda v: pipeline_lib.split_microbatches(v, n_micro), batch)
-  return jax.lax.scan(accumulate, init, microbatches)[0]
+  return objective.sum_over_microbatches(lambda mb: eval_sums(model_fn(), cfg, mb), batch, n_micro)
 
 
 def compile_eval(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
@@ -435,4 +400,4 @@ def compile_eval(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callab
 
   shardings = trainer.state_shardings
   return jax.jit(evaluate, in_shardings=(shardings.params, shardings.biases,
-                                         input_lib.pipeline.batch_shardings(mesh, cfg)))
+                                         input_lib.batches.batch_shardings(mesh, cfg)))

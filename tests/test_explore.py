@@ -19,7 +19,7 @@ from jaxseek.explore import compile as explore_compile
 from jaxseek.explore import core as explore
 from jaxseek.explore import layout as explore_layout
 from jaxseek.explore import suggest as explore_suggest
-from jaxseek.input.pipeline import batch_shardings
+from jaxseek.input.batches import batch_shardings
 from jaxseek.sharding.mesh import make_mesh
 
 GOLDEN = ROOT / "tests" / "golden"

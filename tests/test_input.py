@@ -16,8 +16,8 @@ from flax import nnx
 
 from jaxseek import model as model_lib
 from jaxseek.errors import UserError
-from jaxseek.input import pipeline, prepare, shards, sources
-from jaxseek.input.pipeline import Layout
+from jaxseek.input import batches, prepare, shards, sources
+from jaxseek.input.batches import Layout
 from jaxseek.sharding import mesh as mesh_lib
 
 TEXTS = ["Première ligne: café, 中文.\n", "second file\x00 with a NUL\n"]
@@ -131,7 +131,7 @@ def test_packing_segments_positions_and_loss_mask():
   docs = [np.array(d, np.int32) for d in ([10, 11, 12, 13], [20, 21], [30, 31, 32, 33, 34, 35])]
   weights = [[1, 1, 1], [1], [0, 0, 1, 1, 0]]  # the last document's targets 31, 32 and 35 are not trained on
   chunks = [{"tokens": np.stack([d[:-1], d[1:], w], 1), "index": j} for j, (d, w) in enumerate(zip(docs, weights))]
-  rows = list(pipeline.pack(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len=6, bins=2, source=1))
+  rows = list(batches.pack(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len=6, bins=2, source=1))
   assert len(rows) == 2
   expected = [
       dict(inputs=[10, 11, 12, 20, 0, 0], targets=[11, 12, 13, 21, 0, 0], segment_ids=[1, 1, 1, 2, 0, 0],
@@ -151,7 +151,7 @@ def test_packed_row_forward_equals_documents_run_separately():
   rng = np.random.default_rng(0)
   docs = [rng.integers(1, cfg.model.vocab_size, n).astype(np.int32) for n in (8, 5, 10)]
   chunks = [{"tokens": np.stack([d[:-1], d[1:], np.ones_like(d[1:])], 1), "index": j} for j, d in enumerate(docs)]
-  (row,) = list(pipeline.pack(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len=24, bins=1))
+  (row,) = list(batches.pack(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len=24, bins=1))
   packed_TV = forward(model, row["inputs"][None], row["positions"][None], row["segment_ids"][None])[0]
   # Each document alone in its own row from position 0 (zeros after it cannot reach it through causal attention).
   alone_BT = np.zeros((len(docs), 9), np.int32)
@@ -170,15 +170,15 @@ def test_process_shards_are_disjoint_and_cover_every_document(tmp_path):
   n = len(sources.DocumentChunks(docs, 40))  # every document fits one chunk
   seen = []
   for p in range(4):
-    stream = pipeline.chunk_stream(docs, 40, seed=5, start=0, index=p, count=4)
+    stream = batches.chunk_stream(docs, 40, seed=5, start=0, index=p, count=4)
     first_epoch = [stream[k] for k in range(len(range(p, n, 4)))]
     assert all(e["index"] == p + 4 * k for k, e in enumerate(first_epoch))
     seen += [bytes(np.append(e["tokens"][:, 0], e["tokens"][-1, 1]).astype(np.uint8)) for e in first_epoch]
   assert sorted(seen) == sorted(t.encode() + b"\0" for t in texts)
   cfg = _cfg(tmp_path / "d", "train.seq_len=40", "train.batch_size=4")
-  firsts = [_segments(next(iter(pipeline.make_dataset(cfg, p, 4)))) for p in range(4)]
+  firsts = [_segments(next(iter(batches.make_dataset(cfg, p, 4)))) for p in range(4)]
   assert len({piece for pieces in firsts for piece in pieces}) == sum(map(len, firsts))  # no document twice
-  one = pipeline.chunk_stream(docs, 40, seed=5, start=0, index=0, count=1)
+  one = batches.chunk_stream(docs, 40, seed=5, start=0, index=0, count=1)
   epochs = [[one[e * n + k]["tokens"].tobytes() for k in range(n)] for e in range(2)]
   assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]  # reshuffled each epoch
 
@@ -187,7 +187,7 @@ def test_batches_keep_pairs_inside_documents(tmp_path):
   texts = _unique_docs(tmp_path, "d", 40, "x")
   cfg = _cfg(tmp_path / "d", "train.seq_len=16", "train.batch_size=4", "data.pack_bins=3")
   whole = {t.encode() + b"\0" for t in texts}
-  for batch in _take(iter(pipeline.make_dataset(cfg)), 6):
+  for batch in _take(iter(batches.make_dataset(cfg)), 6):
     np.testing.assert_array_equal(batch["loss_mask"], batch["segment_ids"] > 0)
     assert all(any(piece in doc for doc in whole) for piece in _segments(batch))
 
@@ -202,15 +202,15 @@ def test_resume_gives_exactly_the_uninterrupted_batches(tmp_path):
   cfg = _cfg([tmp_path / "a", tmp_path / "b"], "train.seq_len=16", "train.batch_size=4", "data.weights=[2,1]",
              "data.pack_bins=3", "data.prefetch=3")
   layout = Layout(0, 1, 4)
-  it = pipeline.pipeline_iterator(cfg, layout)
+  it = batches.pipeline_iterator(cfg, layout)
   _take(it, 5)
   state = _state_roundtrip(it)
   expected = _take(it, 7)
-  resumed = pipeline.pipeline_iterator(cfg, layout)
+  resumed = batches.pipeline_iterator(cfg, layout)
   _take(resumed, 2)  # a used iterator is rewound too
   resumed.set_state(state)
   for want, got in zip(expected, _take(resumed, 7)):
-    assert set(got) == set(pipeline.BATCH_KEYS)
+    assert set(got) == set(batches.BATCH_KEYS)
     for key in want:
       np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
@@ -221,30 +221,30 @@ def test_resume_through_orbax_with_global_batches(tmp_path):
   _unique_docs(tmp_path, "d", 50)
   cfg = _cfg(tmp_path / "d", "train.seq_len=16", "train.batch_size=8")
   mesh = mesh_lib.make_mesh(cfg)
-  batches = pipeline.GlobalBatches(cfg, mesh)
-  first = next(batches)
-  assert first["inputs"].shape == (8, 16) and first["inputs"].sharding == batches.shardings["inputs"]
-  local = next(iter(pipeline.make_dataset(cfg)))
-  for key in pipeline.BATCH_KEYS:
+  stream = batches.GlobalBatches(cfg, mesh)
+  first = next(stream)
+  assert first["inputs"].shape == (8, 16) and first["inputs"].sharding == stream.shardings["inputs"]
+  local = next(iter(batches.make_dataset(cfg)))
+  for key in batches.BATCH_KEYS:
     np.testing.assert_array_equal(np.asarray(first[key]), local[key])
   with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-    manager.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(batches.iterator)))
+    manager.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(stream.iterator)))
     manager.wait_until_finished()
-    expected = [jax.device_get(b) for b in _take(batches, 3)]
-    fresh = pipeline.GlobalBatches(cfg, mesh)
+    expected = [jax.device_get(b) for b in _take(stream, 3)]
+    fresh = batches.GlobalBatches(cfg, mesh)
     manager.restore(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh.iterator)))
   for want, got in zip(expected, _take(fresh, 3)):
-    for key in pipeline.BATCH_KEYS:
+    for key in batches.BATCH_KEYS:
       np.testing.assert_array_equal(np.asarray(got[key]), want[key], err_msg=key)
 
 
 def test_resplit_state_across_process_counts(tmp_path):
   _unique_docs(tmp_path, "d", 1000)
   cfg = _cfg(tmp_path / "d", "train.seq_len=40", "train.batch_size=8", "data.pack_bins=2")
-  old = [pipeline.pipeline_iterator(cfg, Layout(p, 4, 2)) for p in range(4)]
+  old = [batches.pipeline_iterator(cfg, Layout(p, 4, 2)) for p in range(4)]
   seen_before = {piece for it in old for b in _take(it, 3) for piece in _segments(b)}
   states = [_state_roundtrip(it) for it in old]
-  new = pipeline.pipeline_iterator(cfg, Layout(1, 2, 4))
+  new = batches.pipeline_iterator(cfg, Layout(1, 2, 4))
   with pytest.raises(UserError, match="states of all 4 old data shards"):
     new.set_state(states[1])
   new.set_state(states)
@@ -260,7 +260,7 @@ def test_mixture_follows_weights(tmp_path):
   _unique_docs(tmp_path, "b", 60, "b", seed=1)
   for weights, share in (("[3,1]", 0.75), ("[1,4]", 0.2)):
     cfg = _cfg([tmp_path / "a", tmp_path / "b"], "train.seq_len=24", "train.batch_size=8", f"data.weights={weights}")
-    rows = [row for b in _take(iter(pipeline.make_dataset(cfg)), 25) for row in b["inputs"]]
+    rows = [row for b in _take(iter(batches.make_dataset(cfg)), 25) for row in b["inputs"]]
     first = [chr(r[0]) for r in rows]
     assert set(first) <= {"a", "b"}
     assert abs(first.count("a") / len(rows) - share) <= 0.02  # rows of source a: share ± 0.02
@@ -268,19 +268,19 @@ def test_mixture_follows_weights(tmp_path):
 
 def test_synthetic_and_stdlib_sources_keep_working():
   cfg = load_config("tiny-v3", "train.batch_size=8")
-  (batch,) = _take(iter(pipeline.make_dataset(cfg, 1, 2)), 1)
+  (batch,) = _take(iter(batches.make_dataset(cfg, 1, 2)), 1)
   record = sources.SyntheticSource(cfg.model.vocab_size, cfg.train.seq_len + 1, cfg.data.seed)[3]
   np.testing.assert_array_equal(batch["inputs"][1], record[:-1])  # row 1 of shard 1 of 2 is record 3
   np.testing.assert_array_equal(batch["segment_ids"], 1)
   cfg = load_config("tiny-v3", "data.source=python-stdlib", "data.max_bytes=100000")
-  batch = next(iter(pipeline.make_dataset(cfg)))
+  batch = next(iter(batches.make_dataset(cfg)))
   assert all(piece.endswith(b"\0") or len(piece) == 25 for piece in _segments(batch))
 
 
 def test_bad_inputs_give_one_line_errors(tmp_path):
   _unique_docs(tmp_path, "d", 10)
-  cases = [(lambda: pipeline.open_sources(_cfg(tmp_path / "missing")), "missing not found"),
-           (lambda: pipeline.open_sources(_cfg(tmp_path / "d", "model.vocab_size=200")), "manifest.json"),
+  cases = [(lambda: batches.open_sources(_cfg(tmp_path / "missing")), "missing not found"),
+           (lambda: batches.open_sources(_cfg(tmp_path / "d", "model.vocab_size=200")), "manifest.json"),
            (lambda: prepare.prepare([str(tmp_path / "d")], "byte", tmp_path / "d2", progress=False), "matches no"),
            (lambda: prepare.prepare([str(tmp_path / "d.jsonl")], "byte", tmp_path / "d", progress=False),
             "--overwrite")]
@@ -289,7 +289,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
                 "bad.jsonl:2"))
   with open(tmp_path / "d" / "shard-00001.tokens", "r+b") as f:
     f.write(b"\xff")
-  cases.append((lambda: pipeline.open_sources(_cfg(tmp_path / "d")), "shard-00001.tokens does not match"))
+  cases.append((lambda: batches.open_sources(_cfg(tmp_path / "d")), "shard-00001.tokens does not match"))
   for fn, words in cases:
     with pytest.raises(UserError, match=words) as e:
       fn()
@@ -378,11 +378,11 @@ def test_worker_processes_resume_exactly(tmp_path):
   cfg = _cfg(tmp_path / "d", "train.seq_len=16", "train.batch_size=4", "data.worker_count=1")
   chunks = sources.DocumentChunks(shards.open_folder(tmp_path / "d", 264), 16)
   assert len(pickle.dumps(chunks)) < chunks.docs.tokens[0].nbytes  # workers get file names, not the data
-  it = pipeline.pipeline_iterator(cfg, Layout(0, 1, 4))
+  it = batches.pipeline_iterator(cfg, Layout(0, 1, 4))
   _take(it, 2)
   state = _state_roundtrip(it)
   expected = _take(it, 3)
-  resumed = pipeline.pipeline_iterator(cfg, Layout(0, 1, 4))
+  resumed = batches.pipeline_iterator(cfg, Layout(0, 1, 4))
   resumed.set_state(state)
   for want, got in zip(expected, _take(resumed, 3)):
     for key in want:

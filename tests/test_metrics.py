@@ -17,7 +17,7 @@ from conftest import ROOT, free_port, load_config
 from jaxseek import metrics as metrics_lib
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError
-from jaxseek.input import pipeline
+from jaxseek.input import batches as batches_lib
 from jaxseek.sharding.mesh import make_mesh
 
 
@@ -32,7 +32,7 @@ def test_flops_formula_matches_xla_cost_analysis(attention):
   mesh = make_mesh(cfg, jax.devices()[:1])
   trainer = step_lib.make_trainer(cfg, mesh)
   batch = {k: jax.ShapeDtypeStruct((8, 64), np.float32 if k == "loss_mask" else np.int32, sharding=s)
-           for k, s in pipeline.batch_shardings(mesh).items()}
+           for k, s in batches_lib.batch_shardings(mesh).items()}
   with jax.set_mesh(mesh):
     compiled = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile()
   analysis = compiled.cost_analysis()

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxseek.config import MESH_AXES, Config
 from jaxseek.errors import UserError
-from jaxseek.input.pipeline import BATCH_KEYS, batch_shardings
+from jaxseek.input.batches import BATCH_KEYS, batch_shardings
 
 COLLECTIVE = re.compile(
     r"(?<![\w-])(ragged-all-to-all|all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")

@@ -275,7 +275,7 @@ def gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, scale, zigzag=Fal
   return jax.shard_map(local, in_specs=in_specs, out_specs=spec(("batch", "length", "heads", None)))(*args)
 
 
-NEG = float(jnp.finfo(jnp.float32).min)  # the score of a masked key
+NEG = flash.NEG  # the score of a masked key
 
 
 def chunk_tokens(j, t: int, size: int, zigzag: bool) -> jax.Array:

@@ -26,8 +26,8 @@ from flax import nnx
 from jaxseek.config import ModelConfig
 from jaxseek.model.attention import MLA, NEG, attend, expand_latent
 from jaxseek.model.transformer import Block, Stack, Transformer
+from jaxseek.sharding.pipeline import STACKS
 
-STACKS = ("dense_layers", "moe_layers")
 
 
 def cache_bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> int:
@@ -150,4 +150,4 @@ def step(model: Transformer, tokens_BT, positions_BT, valid_BT, cache: dict, sta
     stack = getattr(model, name)
     if stack is not None:
       x_BTD, cache[name] = stack_step(stack, x_BTD, side, cache[name])
-  return model._logits(model.final_norm(x_BTD)), cache
+  return model.head_logits(model.final_norm(x_BTD)), cache

@@ -317,10 +317,4 @@ def tokamax_attention(q_BTNK, k_BSGK, v_BSGP, segment_ids_BT, scale, key_segment
 def tokamax_ragged_dot(x_RD, w_EDF, sizes_E, implementation: str = "mosaic"):
   """Grouped GEMM of rows sorted by group through tokamax (Mosaic GPU or Triton kernels, their own backward)."""
   tokamax = tokamax_module()
-  from tokamax._src.ops.ragged_dot import api
-
-  name = "mosaic_gpu" if implementation == "mosaic" else implementation
-  impl = api.IMPLEMENTATIONS.get(name)
-  if impl is None:
-    raise UserError(f"config key model.moe_matmul: tokamax has no {implementation} kernel here; use auto")
-  return tokamax.ragged_dot(x_RD, w_EDF, sizes_E.astype(jnp.int32), implementation=(impl,))
+  return tokamax.ragged_dot(x_RD, w_EDF, sizes_E.astype(jnp.int32), implementation=implementation)

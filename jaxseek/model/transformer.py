@@ -150,7 +150,7 @@ class Transformer(nnx.Module):
     head_DV = self.embed.table_VD[...].T if self.head_DV is None else self.head_DV[...]
     return head_DV.astype(self.dtype)
 
-  def _logits(self, h_BTD: jax.Array) -> jax.Array:
+  def head_logits(self, h_BTD: jax.Array) -> jax.Array:
     logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, self.head(), preferred_element_type=jnp.float32)
     return shard(logits_BTV, ("batch", "length", "vocab"))
 
@@ -215,8 +215,8 @@ class Transformer(nnx.Module):
     if not logits:
       return aux["hidden"], aux
     if mtp[0]:
-      aux["mtp_logits"] = jnp.stack([self._logits(h) for h in mtp[0]])
-    return self._logits(aux["hidden"]), aux
+      aux["mtp_logits"] = jnp.stack([self.head_logits(h) for h in mtp[0]])
+    return self.head_logits(aux["hidden"]), aux
 
   def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None) -> jax.Array:

@@ -38,9 +38,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseek.config import Config
 from jaxseek.errors import UserError
+from jaxseek.sharding import rules, schedules
+from jaxseek.sharding.rules import PIPELINE_AXIS as AXIS
 from jaxseek.sharding.rules import shard
 
-AXIS = "pipeline"
 ONE_F_ONE_B = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # the train.pipeline_schedule values schedules.py runs
 
 
@@ -64,8 +65,6 @@ def splits_batch(cfg: Config, sizes: dict[str, int]) -> bool:
 def batch_rules(cfg: Config, sizes: dict[str, int]):
   """The context to trace a step in (and make its batch shardings in): the pipeline axis left out of the batch
   when it does not split it (splits_batch)."""
-  from jaxseek.sharding import rules
-
   return contextlib.nullcontext() if splits_batch(cfg, sizes) else rules.reserved(AXIS)
 
 
@@ -243,8 +242,6 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   the layers in a chunk, and (with `layer_flops`, a layer's forward FLOPs for one microbatch) the FLOPs a stage
   runs per step, counted per executed op: f one forward, b a forward and the input's gradient, W the weights'
   gradient, a whole backward all three (each matmul's backward costs twice its forward: b and W one each)."""
-  from jaxseek.sharding import schedules
-
   m, M = cfg.model, cfg.train.microbatches
   name = pipelined_stack(m, stages, 1)
   n = stack_sizes(m)[name] if name else 0
@@ -286,8 +283,6 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
   r = max(rounds)
   formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
   if cfg.train.pipeline_schedule in ONE_F_ONE_B:
-    from jaxseek.sharding import schedules
-
     table = schedules.for_config(cfg, stages, r)
     name, v = cfg.train.pipeline_schedule, shape(cfg) == "v"
     schedule = {"dualpipev": "DualPipeV, DeepSeek's order on a V, backward split into b and W",

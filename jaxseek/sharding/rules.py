@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 Rules = dict[str, tuple[str, ...]]
+PIPELINE_AXIS = "pipeline"  # the mesh axis pipeline parallelism runs over (sharding/pipeline.py, schedules.py)
 
 PARAM_RULES: Rules = {
     "embed": ("fsdp",),

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxseek.sharding import wsplit, zero_bubble
-from jaxseek.sharding.pipeline import AXIS
+from jaxseek.sharding.rules import PIPELINE_AXIS as AXIS
 from jaxseek.sharding.restgrads import RestGrads, used_leaves  # noqa: F401 (schedules.RestGrads)
 
 LOSS, READ, LATE = 0.3, 0.5, 0.9  # where in a tick a buffer is written or read (the executor's order)
