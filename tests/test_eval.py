@@ -3,6 +3,7 @@
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from jaxseek import faults
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError
 from jaxseek.evaluate import main as evaluate_main
-from jaxseek.input import holdout, pipeline, prepare, shards
+from jaxseek.input import batches as batches_lib
+from jaxseek.input import holdout, prepare, shards
 from jaxseek.metrics import read_jsonl
 from jaxseek.train import run
 
@@ -67,11 +69,11 @@ def test_holdout_is_disjoint_from_training_and_deterministic(tmp_path):
   out = {text_id[d] for d in np.flatnonzero(holdout.held_out(200, 0.2))}
   assert 20 <= len(out) <= 60 and np.array_equal(holdout.held_out(200, 0.2), holdout.held_out(200, 0.2))
   assert np.array_equal(holdout.held_out(200, 0.2), holdout.held_out(500, 0.2)[:200])  # by document, not by count
-  it = iter(pipeline.make_dataset(cfg))
+  it = iter(batches_lib.make_dataset(cfg))
   trained = _ids([next(it) for _ in range(30)], "a")  # about three epochs of the training documents
   assert trained == set(range(200)) - out  # every training document, no held-out one
-  ecfg = pipeline.eval_config(cfg)
-  it = iter(pipeline.make_dataset(ecfg, docs=pipeline.open_sources(ecfg, "eval")))
+  ecfg = batches_lib.eval_config(cfg)
+  it = iter(batches_lib.make_dataset(ecfg, docs=batches_lib.open_sources(ecfg, "eval")))
   assert _ids([next(it) for _ in range(3)], "a") == out
 
 
@@ -127,7 +129,10 @@ def test_evaluate_errors_are_one_line(eval_run, data, tmp_path, capsys):
   for argv, expected in ((["--json", str(tmp_path / "missing" / "out.json")], "does not exist; create it"),
                          (["--json", str(tmp_path)], "is a folder; name a file"),
                          (["--tokens", "0"], "--tokens 0 must be ≥ 1"),
-                         (["eval.source=x"], "evaluate reads the folder given with --data")):
+                         (["eval.source=x"], "evaluate reads the folder given with --data"),
+                         (["model.attention_impl=mosaic"], "the model comes from the checkpoint"),
+                         (["train.fp8=maybe"], "config key train.fp8"),
+                         (["--tokens", "-5"], "--tokens -5 must be ≥ 1")):
     assert evaluate_main(["--checkpoint", str(eval_run), "--data", str(data["eval"]), *argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and expected in err, err
@@ -279,7 +284,7 @@ def test_evaluate_reads_the_held_out_share_of_data_and_refuses_other_sources(dat
   trained = load_config("tiny-dense", "data.prefetch=0", "eval.tokens=300", f"data.source={data['train']}",
                         "eval.source=holdout", "eval.holdout=0.2")
   mesh = make_mesh(cfg)
-  got, want = pipeline.eval_batches(cfg, mesh), pipeline.eval_batches(trained, mesh)
+  got, want = batches_lib.eval_batches(cfg, mesh), batches_lib.eval_batches(trained, mesh)
   assert len(got) == len(want)
   for a, b in zip(got, want):
     for key in a:
@@ -298,7 +303,7 @@ def test_a_small_eval_set_counts_each_document_once(tmp_path, capsys):
 
   folder = _docs(tmp_path / "small", 4, "s")
   cfg = load_config("tiny-dense", "data.prefetch=0", f"eval.source={folder}", "eval.tokens=2000")
-  batches = pipeline.eval_batches(cfg, make_mesh(cfg))
+  batches = batches_lib.eval_batches(cfg, make_mesh(cfg))
   docs = shards.open_folder(folder, cfg.model.vocab_size)
   pairs = sum(int((np.diff(np.asarray(o)) - 1).sum()) for o in docs.offsets)
   counted = sum(float(np.asarray(b["loss_mask"]).sum()) for b in batches)
@@ -312,13 +317,13 @@ def test_an_eval_set_without_loss_tokens_is_refused(data, monkeypatch):
   evaluation refuses it instead of reporting loss 0 and perplexity 1."""
   from jaxseek.sharding.mesh import make_mesh
 
-  real = pipeline._packed_row
-  monkeypatch.setattr(pipeline, "_packed_row", lambda row, **kw: {**real(row, **kw),
+  real = batches_lib._packed_row
+  monkeypatch.setattr(batches_lib, "_packed_row", lambda row, **kw: {**real(row, **kw),
                                                                    "loss_mask": np.zeros(row["tokens"].shape[0],
                                                                                          np.float32)})
   cfg = load_config("tiny-dense", "data.prefetch=0", f"eval.source={data['eval']}", "eval.tokens=200")
   with pytest.raises(UserError, match="has no token the loss counts"):
-    pipeline.eval_batches(cfg, make_mesh(cfg))
+    batches_lib.eval_batches(cfg, make_mesh(cfg))
 
 
 def test_evaluate_runs_the_model_as_an_fp8_run_trained(data, tmp_path):
@@ -336,3 +341,36 @@ def test_evaluate_runs_the_model_as_an_fp8_run_trained(data, tmp_path):
                           f"train.fp8={fp8}"]) == 0
     results[fp8] = json.loads(out.read_text())["eval_loss"]
   assert abs(results["true"] - want) <= 1e-6 * want < abs(results["false"] - want) / 10
+
+
+def test_eval_loss_equals_a_numpy_cross_entropy_over_the_same_tokens(data):
+  """The Evaluator's eval_loss / eval_tokens (chunked loss, microbatches accumulated by a scan, sums over batches)
+  against float64 NumPy: log-softmax of the model's full logits at every loss-mask token of the same batches."""
+  from flax import nnx
+
+  from jaxseek.evaluate import Evaluator
+  from jaxseek.sharding.mesh import make_mesh
+
+  cfg = load_config("tiny-v3", f"data.source={data['train']}", f"eval.source={data['eval']}", "eval.tokens=300",
+                    "train.microbatches=2", "model.initializer_range=0.2")
+  mesh = make_mesh(cfg)
+  trainer = step_lib.make_trainer(cfg, mesh)
+  state = trainer.init()
+  evaluator = Evaluator(cfg, mesh, trainer)
+  with jax.set_mesh(mesh):  # as training calls it
+    got = evaluator(state)
+  model = nnx.merge(trainer.graphdef, state.params, state.biases)
+  total, count = 0.0, 0
+  for batch in evaluator.batches:
+    b = {k: np.asarray(v) for k, v in batch.items()}
+    with jax.set_mesh(mesh):
+      logits = np.asarray(model(jnp.asarray(b["inputs"]), jnp.asarray(b["positions"]),
+                                jnp.asarray(b["segment_ids"])), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, b["targets"][..., None].astype(np.int64), -1)[..., 0]
+    total -= float((picked * b["loss_mask"]).sum())
+    count += int(b["loss_mask"].sum())
+  assert count > 0 and got["eval_tokens"] == count
+  np.testing.assert_allclose(got["eval_loss"], total / count, rtol=2e-5)
+  np.testing.assert_allclose(got["eval_perplexity"], np.exp(total / count), rtol=2e-5)

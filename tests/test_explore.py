@@ -140,6 +140,37 @@ def test_golden_state_bytes_equal_the_real_sharded_state(path):
     assert source["state_bytes_per_device"] == state
 
 
+@pytest.mark.parametrize("path", sorted(GOLDEN.glob("explore-*.json")), ids=lambda p: p.stem)
+def test_golden_activation_rows_equal_sizes_counted_from_the_config(path):
+  """Each activation row of the golden files placed over the mesh (`name[dims]`) has the shape the config gives
+  its letters (B = batch / microbatches, T = train.seq_len, D, Q, C, N, G, H, P, F, V from the model), and its
+  bytes are a whole number of copies of that shape's share on one device: the product of the mesh sizes named in
+  its subscripts, at the compute dtype's size."""
+  name, mesh = path.stem.removeprefix("explore-").rsplit("-", 1)
+  golden, sizes = json.loads(path.read_text()), sizes_of(mesh)
+  cfg = load_config(name, *mesh_overrides(mesh))
+  m, t = cfg.model, cfg.train
+  dims = {"B": t.batch_size // t.microbatches, "T": t.seq_len, "D": m.hidden_size, "N": m.num_attention_heads,
+          "G": m.kv_heads, "V": m.vocab_size, "Q": m.q_lora_rank, "C": m.kv_lora_rank,
+          "H": m.qk_nope_head_dim + m.qk_rope_head_dim if m.is_mla else m.dense_head_dim,
+          "P": m.v_head_dim if m.is_mla else m.dense_head_dim}
+  width = {"dense layer": m.intermediate_size, "moe layer": m.moe_intermediate_size * m.n_shared_experts}
+  itemsize = np.dtype(t.compute_dtype).itemsize
+  checked = 0
+  for row in golden["activations"]:
+    if "per device" in row["placement"]:
+      continue
+    letters = re.findall(r"([A-Z])(?:_(\w+|\([\w,]+\)))?", row["placement"].split("[", 1)[1])
+    want = [width[row["layer"]] if letter == "F" else dims[letter] for letter, _ in letters]
+    assert row["shape"] == want, row
+    shards = math.prod(sizes[a] for _, sub in letters for a in sub.strip("()").split(",") if sub)
+    share = math.prod(want) // shards * itemsize
+    assert math.prod(want) % shards == 0 and row["bytes_per_device"] % share == 0, row
+    assert row["bytes_per_device"] >= share
+    checked += 1
+  assert checked >= 6
+
+
 def test_placement_notation():
   cfg = load_config("tiny-v3", *mesh_overrides("f2e2t2"))
   rows = {r["name"]: r for r in explore.plan(explore.describe(cfg), sizes_of("f2e2t2"),
@@ -326,6 +357,17 @@ def test_json_schema_and_user_errors(tmp_path, capsys):
     assert explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), flag, str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err, err
+  # targets and kernels
+  for args, words in ((["--target", "a100"], "--target names the GPU to --compile for; add --compile"),
+                      (["model.attention_impl=mosaic", "train.compute_dtype=bfloat16", "--compile", "--target", "a100",
+                        "--devices", "1"],
+                       "mosaic (tokamax's Mosaic GPU kernels) runs on sm_90 and sm_100 GPUs and this is sm_80"),
+                      (["model.attention_impl=mosaic", "--device-memory", "a100-80g", "--devices", "1"],
+                       "mosaic takes bfloat16"),
+                      (["model.moe_matmul=warp"], "config key model.moe_matmul")):
+    assert explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err, err
 
 
 def test_deepseek_v3_published_layout_and_batch():

@@ -14,7 +14,8 @@ from flax import nnx
 from jaxseek import objective as objective_lib
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError
-from jaxseek.input import chat, pipeline, prepare, shards
+from jaxseek.input import batches as batches_lib
+from jaxseek.input import chat, prepare, shards
 from jaxseek.sharding.mesh import make_mesh
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -157,7 +158,7 @@ def test_packed_rows_train_on_assistant_targets_only(tmp_path):
   folder = _split_data(tmp_path)
   cfg = load_config("tiny-dense", f"data.source={folder}", "train.seq_len=32", "train.batch_size=4",
                     "data.prefetch=0")
-  it = iter(pipeline.make_dataset(cfg))
+  it = iter(batches_lib.make_dataset(cfg))
   counted = 0
   for _ in range(6):
     batch = next(it)
@@ -276,10 +277,10 @@ def test_training_and_evaluation_count_the_answer_tokens(tmp_path):
   cfg = load_config("tiny-dense", *overrides)
   run(cfg)
   records = list(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
-  train = iter(pipeline.make_dataset(load_config("tiny-dense", *overrides, "data.prefetch=0")))
+  train = iter(batches_lib.make_dataset(load_config("tiny-dense", *overrides, "data.prefetch=0")))
   expected = [float(next(train)["loss_mask"].sum()) for _ in range(3)]
   assert [r["loss_tokens"] for r in records if "loss_tokens" in r] == expected
   assert all(0 < t < 8 * 32 for t in expected)
-  eval_cfg = pipeline.eval_config(cfg)
-  held_out = iter(pipeline.make_dataset(eval_cfg, docs=pipeline.open_sources(eval_cfg, "eval")))
+  eval_cfg = batches_lib.eval_config(cfg)
+  held_out = iter(batches_lib.make_dataset(eval_cfg, docs=batches_lib.open_sources(eval_cfg, "eval")))
   assert records[-1]["eval_tokens"] == float(next(held_out)["loss_mask"].sum())
