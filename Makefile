@@ -12,7 +12,7 @@ LOCK := constraints.txt
 GPU_VENV := .venv-gpu
 JAX_VERSION = $(shell $(BIN)/python -c "import jax; print(jax.__version__)")
 
-.PHONY: demo test test-gpu-compile gpu-wheels install install-dev lock clean
+.PHONY: demo test test-full test-gpu-compile gpu-wheels install install-dev lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ demo: $(VENV)/.installed
 	  --temperature 0.7 --top-k 40
 
 test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
+
+# everything, the slow cases too (tests/conftest.py SLOW): about 40 minutes on 2 cores
+test-full: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n 2 tests
 
 # the CUDA packages (jax-cuda12-*, nvidia-*) are not in constraints.txt; everything else is pinned by it

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxseek import config as config_lib
+from jaxseek import faults
 from jaxseek import input as input_lib
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError, cli, writable_file
@@ -65,7 +66,7 @@ class Evaluator:
 
   def __init__(self, cfg: config_lib.Config, mesh: jax.sharding.Mesh, trainer: step_lib.Trainer):
     self.batches = input_lib.batches.eval_batches(cfg, mesh)
-    self.step = step_lib.compile_eval(trainer, cfg, mesh)
+    self.step = faults.Aligned(step_lib.compile_eval(trainer, cfg, mesh), "eval step", cfg.dist.init_timeout_s)
 
   def __call__(self, state: step_lib.TrainState) -> dict[str, float]:
     """The eval metrics of `state` (waits for them); eval_time_s is the time it took."""

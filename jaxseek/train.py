@@ -84,7 +84,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   ckpt = checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
   state = restore_or_init(cfg, trainer, ckpt, batches)
   start = int(state.step)
-  step_fn = compile_step(trainer, cfg, mesh)
+  step_fn = faults.Aligned(compile_step(trainer, cfg, mesh), "train step", cfg.dist.init_timeout_s)
   # the model's own parameters and FLOPs, without the identity padding a pipeline may store
   logical = jax.eval_shape(lambda p: pipeline_lib.reorder(p, pipeline_lib.stack_sizes(cfg.model), pipeline_lib.layout(
       cfg, mesh.shape["pipeline"]), (1, 1)), trainer.abstract_state.params)

@@ -35,6 +35,40 @@ jax.config.update("jax_platforms", "cpu")
 
 import pytest  # noqa: E402
 
+# The cases `make test` (CI) leaves to `make test-full`: each repeats, on another mesh, schedule or optimisation
+# level, a property that a faster case of the same test checks in `make test`, or runs a long real job (the
+# demo, late and signalled processes, a resume after SIGKILL). `pytest -m slow tests` runs them alone.
+SLOW = {
+    "tests/test_default_opt_level.py::test_exactness_subset_passes_at_the_default_optimisation_level[sharding]",
+    "tests/test_default_opt_level.py::test_exactness_subset_passes_at_the_default_optimisation_level[moe]",
+    "tests/test_default_opt_level.py::test_exactness_subset_passes_at_the_default_optimisation_level[pipeline]",
+    "tests/test_default_opt_level.py::test_exactness_subset_passes_at_the_default_optimisation_level[context]",
+    "tests/test_pipeline.py::test_memory_bounded_schedules_equal_single_device[v3-p2e2t2-m4-zb_h1-kept]",
+    "tests/test_pipeline.py::test_memory_bounded_schedules_equal_single_device[v3-p2e2t2-m4-mtp-dualpipev]",
+    "tests/test_pipeline.py::test_memory_bounded_schedules_equal_single_device[v3-p4-r2-m8-interleaved]",
+    "tests/test_pipeline.py::test_memory_bounded_schedules_equal_single_device[v3-p4e2-m8-zb_h1]",
+    "tests/test_pipeline.py::test_memory_bounded_schedules_equal_single_device[v3-p4-m8-dualpipev]",
+    "tests/test_pipeline.py::test_pipelined_training_equals_single_device[v3-p4-m8]",
+    "tests/test_pipeline.py::test_pipelined_training_equals_single_device[v3-p2-r2-m1-remat]",
+    "tests/test_pipeline.py::test_checkpoint_moves_between_pipelined_and_flat_meshes[p2-dualpipev-to-p1]",
+    "tests/test_pipeline.py::test_checkpoint_moves_between_pipelined_and_flat_meshes[p2-zbv-to-p2-zb_h1]",
+    "tests/test_pipeline.py::test_compiled_step_passes_activations_with_collective_permute",
+    "tests/test_context.py::test_context_parallel_training_equals_single_device[v3-c4-zigzag-packed-mtp]",
+    "tests/test_context.py::test_context_parallel_training_equals_single_device[v3-c2-ring]",
+    "tests/test_multihost.py::test_sigterm_to_one_process_saves_the_same_step_on_both",
+    "tests/test_multihost.py::test_processes_whose_compiles_end_40_s_apart_still_train",
+    "tests/test_multihost.py::test_a_dead_peer_ends_the_other_process",
+    "tests/test_checkpoint.py::test_resume_after_sigkill_is_exact",
+    "tests/test_train.py::test_demo_model_learns_python_source",
+    "tests/test_sharding.py::test_gradients_are_summed_over_data_and_expert_once_per_step[p2d2e2-1f1b]",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if item.nodeid in SLOW:
+      item.add_marker(pytest.mark.slow)
+
 from jaxseek import config as config_lib  # noqa: E402
 from jaxseek import step as step_lib  # noqa: E402
 from jaxseek.metrics import read_jsonl  # noqa: E402

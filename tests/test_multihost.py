@@ -177,3 +177,20 @@ def test_sigterm_to_one_process_saves_the_same_step_on_both(tmp_path, run_env):
   assert "[0] process 0/2: 4 local of 8 cpu devices" in out and "[1] process 1/2: 4 local of 8 cpu devices" in out
   assert f"resumed from step {n}" in out
   np.testing.assert_allclose(losses(run_dir), reference(tmp_path, *mesh, f"train.steps={n + 3}"), rtol=1e-5)
+
+
+def test_processes_whose_compiles_end_40_s_apart_still_train(tmp_path, run_env):
+  """XLA:CPU gives processes 30 s to join a Gloo communicator on a program's first run. Process 1 reaches its
+  first step 40 s after process 0 here (a slow compile on a loaded machine): the step waits at a coordination
+  barrier after compiling (faults.Aligned), so the run trains. Without it: `Gloo context initialization failed:
+  DEADLINE_EXCEEDED` on one process, SIGABRT from the coordination service on the other."""
+  late = tmp_path / "late.py"
+  late.write_text("import os, sys, time\nfrom jaxseek import train\nreal = train.compile_step\n"
+                  "def slow(*a, **k):\n  if os.environ['JAXSEEK_PROCESS_ID'] == '1':\n    time.sleep(40)\n"
+                  "  return real(*a, **k)\ntrain.compile_step = slow\nsys.exit(train.main(sys.argv[1:]))\n")
+  command = [sys.executable, str(ROOT / "scripts/launch_local.py"), "-n", "2", "--", sys.executable, str(late),
+             "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=2", "mesh.data=2", "mesh.fsdp=2",
+             "train.steps=2", f"train.run_dir={tmp_path / 'run'}"]
+  proc = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "done: loss" in proc.stdout and "Gloo context initialization failed" not in proc.stdout
