@@ -245,7 +245,9 @@ class TrainConfig:
   loss_impl: Literal["chunked", "full"] = "chunked"
   zero: Literal[1, 3] = 3  # 3: parameters, gradients, optimiser state sharded on fsdp; 1: only the optimiser state
   optimizer_memory: Literal["device", "host"] = "device"  # host: AdamW state in pinned host memory (GPU, TPU)
-  grad_compression: Literal["none", "bf16", "int8"] = "none"  # the data-axis gradient sum: sharding/compression.py
+  grad_compression: Literal["none", "bf16", "int8", "powersgd"] = "none"  # the data-axis gradient sum:
+  # sharding/compression.py, docs/compression.md
+  powersgd_rank: int = 4  # grad_compression=powersgd: the rank of each weight matrix's gradient on the wire
   loss_scale_init: float = 32768.0  # float16 compute: the first loss scale
   loss_scale_window: int = 1000  # float16 compute: the scale doubles after this many steps without overflow
   loss_scale_min: float = 1.0  # float16 compute: halving never takes the scale below this
@@ -560,6 +562,8 @@ def _check_optim(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
   t = cfg.train
+  if t.powersgd_rank < 1:
+    raise UserError(f"config key train.powersgd_rank: {t.powersgd_rank} must be ≥ 1 (4 is a good start)")
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
   if t.pipeline_schedule in ("circular", "interleaved_1f1b") and t.pipeline_repeats < 2:

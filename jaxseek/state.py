@@ -21,6 +21,7 @@ class TrainState:
   good_steps: jax.Array  # float16 compute: steps since the scale last changed without an overflow
   overflow_budget: jax.Array  # float16 compute: overflows left before the scale halves (train.loss_scale_hysteresis)
   grad_residual: Any  # train.grad_compression: each data shard's error-feedback residual [data, ...] (else {})
+  grad_basis: Any = flax.struct.field(default_factory=dict)  # powersgd: each matrix's basis Q, warm start (else {})
 
 
 @flax.struct.dataclass

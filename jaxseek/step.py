@@ -52,12 +52,48 @@ def state_shardings(abstract_state: Any, mesh: Mesh, zero: int = 3, optimizer_me
       lambda x: NamedSharding(mesh, PartitionSpec(compression.AXIS, *param_spec(
           x.get_metadata()["logical_axes"], x.shape[1:], mesh, state_rules("params", zero)))),
       abstract_state.grad_residual, is_leaf=rules.is_variable)
-  return out.replace(grad_residual=residual)
+  basis = {}
+  if jax.tree.leaves(abstract_state.grad_basis):
+    param_specs = jax.tree.map(lambda s: s.spec, out.params)
+    rank = jax.tree.leaves(abstract_state.grad_basis)[0].shape[-1]
+    basis = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                         compression.basis_specs(abstract_state.params, param_specs, rank),
+                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return out.replace(grad_residual=residual, grad_basis=basis)
 
 
 def compressed(cfg: config_lib.Config, mesh: Mesh) -> bool:
   """Whether the data-axis gradient sum runs compressed (sharding/compression.py)."""
   return cfg.train.grad_compression != "none" and mesh.shape["data"] > 1
+
+
+def compression_bytes(cfg: config_lib.Config, trainer: Trainer, mesh: Mesh, method: str | None = None) -> float:
+  """Bytes one device sends per step for the data-axis gradient sum under `method` (default: the configured
+  train.grad_compression), counted from the parameters' shapes and placement (compression.step_bytes)."""
+  variables = jax.tree.leaves(trainer.abstract_state.params, is_leaf=rules.is_variable)
+  placed = jax.tree.leaves(trainer.state_shardings.params)
+  leaves = [(tuple(x.shape), tuple(x.get_metadata()["logical_axes"]), math.prod(s.shard_shape(tuple(x.shape))))
+            for x, s in zip(variables, placed)]
+  return compression.step_bytes(leaves, mesh.shape["data"], method or cfg.train.grad_compression,
+                                cfg.train.powersgd_rank)
+
+
+def compression_summary(cfg: config_lib.Config, trainer: Trainer, mesh: Mesh) -> str | None:
+  """One start-up line: what each train.grad_compression method sends per device per step over `data` (None on
+  one data shard), with a warning when the chosen one saves nothing."""
+  n = mesh.shape["data"]
+  if n <= 1:
+    return None
+  got = {m: compression_bytes(cfg, trainer, mesh, m) for m in compression.METHODS}
+  label = lambda m: f"powersgd (rank {cfg.train.powersgd_rank})" if m == "powersgd" else m
+  line = (f"gradient sum over data={n}, MB sent per device per step: " +
+          " | ".join(f"{label(m)} {b / 1e6:,.1f} ({b / got['none']:.2f}×)" if m != "none" else f"none {b / 1e6:,.1f}"
+                     for m, b in got.items()) + f" (train.grad_compression={cfg.train.grad_compression})")
+  chosen = cfg.train.grad_compression
+  if chosen != "none" and got[chosen] >= got["none"]:
+    line += (f"\nwarning: train.grad_compression={chosen} sends no fewer bytes than none on this model (its "
+             f"gradients are too small to compress); set train.grad_compression=none")
+  return line
 
 
 def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> None:
@@ -121,10 +157,13 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
     scale = cfg.train.loss_scale_init if cfg.train.compute_dtype == "float16" else 1.0
     residual = {} if not compressed(cfg, mesh) else jax.tree.map(
         lambda p: jnp.zeros((mesh.shape["data"], *p.shape), jnp.float32), params)
+    basis = compression.init_basis(params, cfg.train.powersgd_rank, cfg.train.seed) \
+        if compressed(cfg, mesh) and cfg.train.grad_compression == "powersgd" else {}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, biases=biases, opt_state=tx.init(params),
                       loss_window=jnp.full((cfg.train.spike_window,), jnp.nan, jnp.float32),
                       loss_scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
-                      overflow_budget=jnp.asarray(cfg.train.loss_scale_hysteresis, jnp.int32), grad_residual=residual)
+                      overflow_budget=jnp.asarray(cfg.train.loss_scale_hysteresis, jnp.int32), grad_residual=residual,
+                      grad_basis=basis)
 
   with jax.set_mesh(mesh):
     abstract_state = jax.eval_shape(init)
@@ -208,12 +247,12 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   if pipeline_lib.stages() > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B:
     norms = objective.loss_norms(cfg, state, batch, cfg.train.microbatches, groups)
     gradients = lambda params, batch: objective.pipelined_gradients(trainer, cfg, state, params, batch, norms)
-  residual = state.grad_residual
+  residual, basis = state.grad_residual, state.grad_basis
   if not jax.tree.leaves(residual):
     specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.params)
     grads, ce_sum, mtp_sums, balance, loads = gradsum.once_per_step(gradients, summed, specs)(state.params, batch)
   else:
-    grads, ce_sum, mtp_sums, balance, loads, residual = _compressed_sum(gradients, trainer, cfg, state, batch)
+    grads, ce_sum, mtp_sums, balance, loads, residual, basis = _compressed_sum(gradients, trainer, cfg, state, batch)
   grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
   opt_before = state.opt_state
   if cfg.train.optimizer_memory == "host":
@@ -221,7 +260,8 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                                                          trainer.state_shardings.opt_state))
   updates, opt_state = trainer.tx.update(grads, opt_before, state.params)
   new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
-                      biases=update_biases(state.biases, loads, cfg.optim.bias_update_rate), grad_residual=residual)
+                      biases=update_biases(state.biases, loads, cfg.optim.bias_update_rate), grad_residual=residual,
+                      grad_basis=basis)
   loss, grad_norm = ce_sum / objective.token_count(batch["loss_mask"]), optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   accept = finite & ~is_spike(loss, state.loss_window, cfg.train.spike_sigma)
@@ -269,13 +309,15 @@ def _accepted_or_kept(state: TrainState, new: TrainState, opt_before, accept: ja
   window = jnp.where(accept, jnp.roll(state.loss_window, -1).at[-1].set(loss), state.loss_window)
   return new.replace(step=state.step + 1, params=keep(new.params, state.params),
                      biases=keep(new.biases, state.biases), opt_state=keep(new.opt_state, opt_before),
-                     loss_window=window, grad_residual=keep(new.grad_residual, state.grad_residual))
+                     loss_window=window, grad_residual=keep(new.grad_residual, state.grad_residual),
+                     grad_basis=keep(new.grad_basis, state.grad_basis))
 
 
 def _compressed_sum(gradients: Callable, trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                     batch: dict[str, jax.Array]):
   """`gradients` of each data shard's rows (a vmap over the shards), summed over `data` compressed with error
-  feedback (sharding/compression.py). Returns gradients(...)'s values for the whole batch and the new residual."""
+  feedback (sharding/compression.py). Returns gradients(...)'s values for the whole batch, the new residual and
+  the new PowerSGD basis."""
   shards = jax.tree.leaves(state.grad_residual)[0].shape[0]
   split = jax.tree.map(lambda v: shard(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]),
                                        ("data_shards", "batch")), batch)
@@ -283,10 +325,12 @@ def _compressed_sum(gradients: Callable, trainer: Trainer, cfg: config_lib.Confi
     grads_S, ce_sum, mtp_sums, balance, loads = jax.vmap(
         gradients, in_axes=(None, 0), spmd_axis_name=compression.AXIS)(state.params, split)
   specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.grad_residual)
-  grads, residual = compression.reduce(grads_S, state.grad_residual, cfg.train.grad_compression, specs)
+  views = compression.matrix_views(trainer.abstract_state.params, cfg.train.powersgd_rank)
+  grads, residual, basis = compression.reduce(grads_S, state.grad_residual, cfg.train.grad_compression, specs,
+                                              state.grad_basis, views)
   # sums over the shards; the balance term is a mean over rows, each shard's over 1/shards of them
   ce_sum, mtp_sums, loads = jax.tree.map(lambda a: a.sum(0), (ce_sum, mtp_sums, loads))
-  return grads, ce_sum, mtp_sums, balance.mean(0), loads, residual
+  return grads, ce_sum, mtp_sums, balance.mean(0), loads, residual, basis
 
 
 def _next_loss_scale(state: TrainState, overflow: jax.Array, t: config_lib.TrainConfig):

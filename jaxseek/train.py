@@ -27,7 +27,7 @@ from jaxseek.model import kernels
 from jaxseek.sharding import gradsum
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import pipeline as pipeline_lib
-from jaxseek.step import TrainState, Trainer, check_setup, compile_step, make_trainer
+from jaxseek.step import TrainState, Trainer, check_setup, compile_step, compression_summary, make_trainer
 
 
 def prepare_run_dir(cfg: config_lib.Config) -> Path:
@@ -100,6 +100,8 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
     with jax.set_mesh(mesh):
       _log(kernels.dispatch_summary(cfg, dict(mesh.shape)))
   _log(gradsum.summary(cfg, dict(mesh.shape)))
+  if (line := compression_summary(cfg, trainer, mesh)) is not None:
+    _log(line)
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")

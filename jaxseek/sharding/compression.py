@@ -1,28 +1,41 @@
 """Gradient compression over the `data` axis (`train.grad_compression`), with error feedback.
 
-Without it, XLA sums the gradients over `data` with an all-reduce in float32. With it, the step computes one
-gradient per data shard (a `vmap` over the shards, `spmd_axis_name="data"`: [data, ...] arrays, one row per
-device group), and the sum over shards is done here on a compressed copy:
+Without it, XLA sums the gradients over `data` with a float32 all-reduce: 2(n − 1)/n · 4 bytes per element on n
+shards. With it, the step computes one gradient per data shard (a `vmap` over the shards, `spmd_axis_name="data"`:
+[data, ...] arrays, one row per device group), and the sum over shards is done here on a compressed copy of
+v = g + e, where e, the error-feedback residual, is what compression dropped on that shard before; it is added
+back next step, so nothing is lost over time, only delayed (Seide et al. 2014; Karimireddy et al. 2019). e lives
+in the train state ([data, ...] beside the parameters, float32) and in checkpoints.
 
-  bf16   v = g + e;  q = bfloat16(v);  sum = Σ all-gather(q) (sent as its 16 bits, summed in float32);
-         e ← v − q
-  int8   v = g + e;  s = max |v| / 127 (one float per array, over all shards);
-         q = round(v / s) in int8;  sum = s · Σ all-gather(q) (summed in int32);    e ← v − s · q
+bf16, int8 — two phases, each device's own block of each gradient (its fsdp / tensor / expert placement kept),
+in a shard_map manual over every axis so the wire carries exactly the compressed bits:
 
-e, the error-feedback residual, is what compression dropped on a shard; it is added back next step, so nothing
-is lost over time, only delayed (Seide et al. 2014; Karimireddy et al. 2019). It lives in the train state
-([data, ...] beside the parameters, float32) and in checkpoints.
+  1. reduce-scatter as an all-to-all: the block is cut into n chunks; chunk j goes to device j compressed
+     (bfloat16 bits, or int8 with one float32 scale per BLOCK = 256 values: max |x| / 127), and device j sums
+     the n copies of its chunk in float32 (its own copy exact: it never travels);
+  2. all-gather of each device's summed chunk, compressed again.
 
-Both exchange each device's own block of the gradient (the parameter's placement on fsdp, tensor, … is kept)
-with an all-gather over `data`, in a shard_map manual over every axis, so the wire carries exactly 16-bit or
-8-bit values. Bytes each device receives against the float32 all-reduce, 2(n − 1)/n · 4 bytes per element on n shards:
-bf16 moves (n − 1) · 2, int8 (n − 1) · 1, so int8 is 4× fewer at n = 2 and 2× at n = 4, bf16 2× at n = 2; from
-n = 8 (int8) or n = 4 (bf16) on, the all-gather moves as much as the all-reduce. A two-phase exchange (an
-all-to-all reduce-scatter, then an all-gather, both compressed) would keep 4× (2×) at any n; not built yet.
+  Bytes each device sends: 2 (n − 1)/n per element for int8 (+ 4/256 for the scales), 4 (n − 1)/n for bf16, at
+  any n: 0.25× (0.5×) the float32 all-reduce. What phase 1 dropped stays in the sender's residual; what phase 2
+  dropped stays in the residual of the chunk's owner, on its own chunk, which phase 1 carries exactly next step.
+  Leaves smaller than 4 · n · BLOCK values per device (norm scales: < 0.1% of the bytes) are summed in
+  float32.
+
+powersgd — Vogels et al., NeurIPS 2019, rank r = `train.powersgd_rank`, on every weight matrix: the leading
+stacked axes (layers, experts) are a batch (one matrix per layer and per expert), the other axes split into
+rows × columns where the matrix is nearest to square. With M = g + e on each shard and Q the last step's basis:
+
+  Q ← orthonormal(Q);  P = Σ_shards M·Q (all-reduce);  P ← orthonormal(P);  Q_s = Mᵀ·P;  Q = Σ_shards Q_s
+  (all-reduce);  sum = P·Qᵀ;  e ← M − P·Q_sᵀ (each shard's own part);  Q is kept for the next step (warm start).
+
+  Orthonormalising Q first (a QR of [n, r], no communication) keeps the power step exact at full rank even when a
+  gradient of lower rank left Q degenerate. Matrices that r(rows + columns) values would not save bytes on, and
+  vectors, are summed in float32. Bytes: 2(n − 1)/n · 4 · r(rows + columns) per matrix.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -30,47 +43,251 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 AXIS = "data"
-METHODS = ("none", "bf16", "int8")
+METHODS = ("none", "bf16", "int8", "powersgd")
+BLOCK = 256  # int8: values per float32 scale
+BATCH_AXES = ("layers", "experts")  # powersgd: leading logical axes that index separate matrices
+HIGHEST = jax.lax.Precision.HIGHEST  # float32 products (no TF32 on GPUs)
 
 
-def reduce(grads_S: Any, residual_S: Any, method: str, specs: Any) -> tuple[Any, Any]:
-  """(Σ over shards of the compressed `grads_S` + `residual_S`, the new residual); leaves [shards, ...] float32
-  split over `data` along the first axis, placed as `specs` (PartitionSpecs of the residual: data, then the
-  parameter's own), which the sum keeps without the first axis."""
-  def over_data(collective, spec):
-    """`collective` over `data` on each device's own block, in a shard_map manual over every axis: the blocks
-    keep the parameter's placement and the wire carries exactly the dtype given."""
-    return jax.shard_map(lambda a: collective(a[0]), in_specs=spec, out_specs=P(*spec[1:]), check_vma=False)
-
-  if method == "bf16":
-    def one(g, e, spec):
-      v = g + e
-      q = v.astype(jnp.bfloat16)
-      # the bits travel as uint16: XLA would otherwise widen a bfloat16 collective to float32 before sending
-      bits = jax.lax.bitcast_convert_type(q, jnp.uint16)
-      summed = over_data(lambda a: jax.lax.bitcast_convert_type(jax.lax.all_gather(a, AXIS), jnp.bfloat16)
-                         .astype(jnp.float32).sum(0), spec)(bits)
-      return summed, v - q.astype(jnp.float32)
-  elif method == "int8":
-    def one(g, e, spec):
-      v = g + e
-      scale = jnp.abs(v).max() / 127.0
-      scale = jnp.where(scale > 0, scale, 1.0)
-      q = jnp.clip(jnp.round(v / scale), -127, 127).astype(jnp.int8)
-      summed = over_data(lambda a: jax.lax.all_gather(a, AXIS).astype(jnp.int32).sum(0), spec)(q)
-      return summed.astype(jnp.float32) * scale, v - q.astype(jnp.float32) * scale
+def reduce(grads_S: Any, residual_S: Any, method: str, specs: Any, basis: Any = None,
+           views: dict | None = None) -> tuple[Any, Any, Any]:
+  """(Σ over shards of the compressed `grads_S` + `residual_S`, the new residual, the new PowerSGD basis); leaves
+  [shards, ...] float32 split over `data` along the first axis, placed as `specs` (PartitionSpecs of the
+  residual: data, then the parameter's own), which the sum keeps without the first axis. `basis`, `views`
+  (powersgd): the basis of each compressed matrix (`init_basis`) and `matrix_views`."""
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(grads_S)
+  keys, leaves = [_key(p) for p, _ in pairs], [g for _, g in pairs]
+  specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))  # in the order of the leaves
+  residuals = treedef.flatten_up_to(residual_S)
+  if method == "powersgd":
+    flat_basis = _flat(basis)
+    out = [_powersgd(g + e, flat_basis[k], views[k], spec) if k in views else _plain(g + e, spec)
+           for g, e, spec, k in zip(leaves, residuals, specs, keys)]
+    new_basis = _nest({k: o[2] for k, o in zip(keys, out) if k in views})
+  elif method in ("bf16", "int8"):
+    out = [(*_two_phase(g + e, spec, method), None) for g, e, spec in zip(leaves, residuals, specs)]
+    new_basis = basis
   else:
     raise ValueError(f"unknown gradient compression {method!r}; known: {METHODS}")
-  leaves, treedef = jax.tree.flatten(grads_S)
-  specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))  # in the order of the leaves
-  pairs = [one(g, e, s) for g, e, s in zip(leaves, treedef.flatten_up_to(residual_S), specs)]
-  return treedef.unflatten([p[0] for p in pairs]), treedef.unflatten([p[1] for p in pairs])
+  return treedef.unflatten([o[0] for o in out]), treedef.unflatten([o[1] for o in out]), new_basis
 
+
+# --- bf16, int8: two-phase exchange --------------------------------------------------------------------------
+
+def _unit(method: str, shards: int) -> int:
+  """Elements a device's block is padded to a multiple of: n chunks of whole scale blocks."""
+  return shards * (BLOCK if method == "int8" else 1)
+
+
+def two_phase_leaf(local_elements: int, shards: int, method: str) -> bool:
+  """Whether a leaf of `local_elements` per device goes the two-phase way: at least 4 chunks of BLOCK values per
+  device (else a float32 sum: a norm scale is not worth two collectives of its own)."""
+  return shards > 1 and local_elements >= 4 * shards * BLOCK
+
+
+def _pack(x: jax.Array, method: str) -> jax.Array:
+  """x [..., C] float32 → what travels (bfloat16 bits as uint16; int8 blocks each followed by its scale's 4
+  bytes, [..., C/BLOCK, BLOCK + 4])."""
+  if method == "bf16":  # as uint16: XLA would otherwise widen a bfloat16 collective to float32 before sending
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+  blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+  scale = jnp.abs(blocks).max(-1, keepdims=True) / 127.0
+  scale = jnp.where(scale > 0, scale, 1.0)
+  q = jnp.clip(jnp.round(blocks / scale), -127, 127).astype(jnp.int8)
+  return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(*q.shape[:-1], 4)], -1)
+
+
+def _unpack(wire: jax.Array, method: str) -> jax.Array:
+  """The float32 values `_pack` sent, [..., C]."""
+  if method == "bf16":
+    return jax.lax.bitcast_convert_type(wire, jnp.bfloat16).astype(jnp.float32)
+  scale = jax.lax.bitcast_convert_type(wire[..., BLOCK:], jnp.float32)
+  values = wire[..., :BLOCK].astype(jnp.float32) * scale[..., None]
+  return values.reshape(*values.shape[:-2], -1)
+
+
+def _two_phase(v_S: jax.Array, spec: P, method: str) -> tuple[jax.Array, jax.Array]:
+  shards = v_S.shape[0]
+  local = math.prod(_shard_shape(v_S.shape, spec)[1:])
+  if not two_phase_leaf(local, shards, method):
+    return _plain(v_S, spec)[:2]
+
+  def on_device(a):
+    v = a[0]
+    flat = v.reshape(-1)
+    padded = -(-flat.size // _unit(method, shards)) * _unit(method, shards)
+    chunks = jnp.pad(flat, (0, padded - flat.size)).reshape(shards, padded // shards)  # chunk j → device j
+    me = jax.lax.axis_index(AXIS)
+    mine = jnp.arange(shards)[:, None] == me
+    sent = _pack(chunks, method)
+    # phase 1: row i of what arrives is device i's copy of my chunk; my own copy never leaves, so it stays exact
+    arrived = _unpack(jax.lax.all_to_all(sent, AXIS, 0, 0, tiled=True), method)
+    own = jax.lax.dynamic_index_in_dim(chunks, me, 0, keepdims=False)
+    total = jnp.where(mine, own, arrived).sum(0)
+    # phase 2: every device's summed chunk, compressed, to every device
+    total_wire = _pack(total, method)
+    summed = _unpack(jax.lax.all_gather(total_wire, AXIS), method).reshape(-1)[:flat.size]
+    # residual: what phase 1 dropped of the chunks I sent; on my own chunk, what phase 2 dropped of its sum
+    dropped = jnp.where(mine, (total - _unpack(total_wire, method))[None], chunks - _unpack(sent, method))
+    return summed.reshape(v.shape), dropped.reshape(-1)[:flat.size].reshape(a.shape)
+
+  return jax.shard_map(on_device, in_specs=spec, out_specs=(P(*spec[1:]), spec), check_vma=False)(v_S)
+
+
+def _plain(v_S: jax.Array, spec: P) -> tuple[jax.Array, jax.Array, None]:
+  """The float32 sum over shards (an all-reduce on `data`); nothing is dropped."""
+  summed = jax.shard_map(lambda a: jax.lax.psum(a[0], AXIS), in_specs=spec, out_specs=P(*spec[1:]),
+                         check_vma=False)(v_S)
+  return summed, jnp.zeros_like(v_S), None
+
+
+def _shard_shape(shape: tuple[int, ...], spec: P) -> tuple[int, ...]:
+  sizes = dict(jax.sharding.get_abstract_mesh().shape)
+  out = []
+  for i, d in enumerate(shape):
+    entry = spec[i] if i < len(spec) else None
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    out.append(d // math.prod(sizes[a] for a in names))
+  return tuple(out)
+
+
+# --- PowerSGD ------------------------------------------------------------------------------------------------
+
+def matrix_view(shape: tuple[int, ...], logical_axes: tuple) -> tuple[int, int, int] | None:
+  """(batch axes, rows, columns) PowerSGD sees a parameter of `shape` as: its leading stacked axes (layers,
+  experts) index separate matrices; the other axes split where rows × columns is nearest to square. None for
+  vectors."""
+  b = 0
+  while b < len(shape) and logical_axes[b] in BATCH_AXES:
+    b += 1
+  rest = shape[b:]
+  if len(rest) < 2:
+    return None
+  cut = min(range(1, len(rest)), key=lambda k: abs(math.log(math.prod(rest[:k]) / math.prod(rest[k:]))))
+  return b, math.prod(rest[:cut]), math.prod(rest[cut:])
+
+
+def compressed_view(view: tuple[int, int, int] | None, rank: int) -> bool:
+  """Whether a matrix goes low-rank: its rank-r factors, r(rows + columns) values, are fewer than its own."""
+  return view is not None and rank * (view[1] + view[2]) < view[1] * view[2]
+
+
+def matrix_views(abstract_params: Any, rank: int) -> dict[str, tuple[int, int, int]]:
+  """{parameter path: its `matrix_view`} of the parameters PowerSGD compresses at `rank`."""
+  from jaxseek.sharding import rules
+
+  out = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(abstract_params, is_leaf=rules.is_variable):
+    view = matrix_view(tuple(x.shape), tuple(x.get_metadata()["logical_axes"]))
+    if compressed_view(view, rank):
+      out[_key(path)] = view
+  return out
+
+
+def init_basis(params: Any, rank: int, seed: int) -> dict:
+  """The starting basis Q [*stack, columns, r] (standard normal) of each matrix PowerSGD compresses, as a nested
+  dict named like the parameters."""
+  from jaxseek.sharding import rules
+
+  views = matrix_views(params, rank)
+  out = {}
+  for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(params, is_leaf=rules.is_variable)):
+    if (key := _key(path)) in views:
+      b, _, n = views[key]
+      out[key] = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (*x.shape[:b], n, rank))
+  return _nest(out)
+
+
+def basis_specs(abstract_params: Any, param_specs: Any, rank: int) -> dict:
+  """PartitionSpecs of `init_basis`'s arrays: split on the stacked axes as the parameter is, whole otherwise."""
+  from jaxseek.sharding import rules
+
+  views = matrix_views(abstract_params, rank)
+  specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+  paths = [_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract_params, is_leaf=rules.is_variable)]
+  return _nest({key: P(*(tuple(spec) + (None,) * views[key][0])[:views[key][0]], None, None)
+                for key, spec in zip(paths, specs) if key in views})
+
+
+def orthonormal(x: jax.Array) -> jax.Array:
+  """An orthonormal basis [..., m, r] of the columns of x (Householder QR: orthonormal even when x is not of
+  full rank)."""
+  return jnp.linalg.qr(x, mode="reduced")[0]
+
+
+def powersgd_matrix(M_S: jax.Array, Q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One PowerSGD step on M_S [shards, *stack, m, n] with the basis Q [*stack, n, r]: (Σ_shards M ≈ P·Qᵀ,
+  each shard's dropped part M − P·Q_sᵀ, the new basis)."""
+  Q = orthonormal(Q)
+  # each shard's product, then the sum over shards (an all-reduce of P): einsum would sum M over the shards first
+  P_ = orthonormal(jnp.einsum("s...mn,...nr->s...mr", M_S, Q, precision=HIGHEST).sum(0))
+  Q_S = jnp.einsum("s...mn,...mr->s...nr", M_S, P_, precision=HIGHEST)
+  Q_new = Q_S.sum(0)  # an all-reduce
+  summed = jnp.einsum("...mr,...nr->...mn", P_, Q_new, precision=HIGHEST)
+  dropped = M_S - jnp.einsum("...mr,s...nr->s...mn", P_, Q_S, precision=HIGHEST)
+  return summed, dropped, Q_new
+
+
+def _powersgd(v_S: jax.Array, Q: jax.Array, view: tuple[int, int, int], spec: P):
+  b, m, n = view
+  shape = v_S.shape
+  summed, dropped, Q_new = powersgd_matrix(v_S.reshape(*shape[:1 + b], m, n), Q)
+  summed = jax.lax.with_sharding_constraint(summed.reshape(shape[1:]), P(*spec[1:]))
+  dropped = jax.lax.with_sharding_constraint(dropped.reshape(shape), spec)
+  return summed, dropped, Q_new
+
+
+# --- bytes ---------------------------------------------------------------------------------------------------
 
 def wire_bytes(elements: float, shards: int, method: str, itemsize: int = 4) -> float:
-  """Bytes one device sends for the data-axis gradient sum of `elements` values (ring algorithms)."""
+  """Bytes one device sends for the data-axis sum of `elements` values of a leaf that `method` compresses
+  elementwise (ring algorithms): none 2(n − 1)/n · itemsize, the two-phase bf16 and int8 2(n − 1)/n · 2 and
+  · (1 + 4/BLOCK)."""
   if shards <= 1:
     return 0.0
-  if method in ("int8", "bf16"):
-    return (shards - 1) * elements * (1 if method == "int8" else 2)
-  return 2 * (shards - 1) / shards * elements * itemsize
+  per = {"bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}.get(method, float(itemsize))
+  return 2 * (shards - 1) / shards * elements * per
+
+
+def step_bytes(leaves: list[tuple[tuple[int, ...], tuple, int]], shards: int, method: str, rank: int = 4,
+               itemsize: int = 4) -> float:
+  """Bytes one device sends per step for the data-axis gradient sum; `leaves`: (global shape, logical axes,
+  elements on one device) of every parameter."""
+  total = 0.0
+  for shape, axes, local in leaves:
+    if method in ("bf16", "int8"):
+      total += wire_bytes(local, shards, method if two_phase_leaf(local, shards, method) else "none")
+    elif method == "powersgd" and compressed_view(view := matrix_view(shape, axes), rank):
+      b, m, n = view
+      total += wire_bytes(local / (m * n) * rank * (m + n), shards, "none")  # P and Q, float32
+    else:
+      total += wire_bytes(local, shards, "none", itemsize if method == "none" else 4)
+  return total
+
+
+# --- basis trees: nested dicts named like the parameters -------------------------------------------------------
+
+def _key(path) -> str:
+  """A parameter's name from its tree path (dict keys; a Variable's own `.value` is not part of it)."""
+  return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in (tree or {}).items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}/"))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _nest(flat: dict) -> dict:
+  out: dict = {}
+  for key, v in flat.items():
+    *head, last = key.split("/")
+    node = out
+    for k in head:
+      node = node.setdefault(k, {})
+    node[last] = v
+  return out

@@ -1,0 +1,236 @@
+"""Gradient compression over `data` (sharding/compression.py): the two-phase bf16 / int8 sums within their
+quantisation bound, PowerSGD exact at full rank, error feedback losing nothing over steps, the bytes of the
+compiled step, training beside the uncompressed step, and exact resume after a kill."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import CONFIGS, load_config, losses
+from jaxseek import step as step_lib
+from jaxseek.input import global_batches
+from jaxseek.sharding import compression
+from jaxseek.sharding.mesh import make_mesh
+
+SHARDS = 4
+
+
+def data_mesh(shards=SHARDS):
+  cfg = load_config("tiny-dense", f"mesh.data={shards}")
+  return make_mesh(cfg, jax.devices()[:shards])
+
+
+def blocky(rng, shape):
+  """Random values whose magnitude changes by orders of magnitude from one stretch of 256 to the next (per-block
+  scales matter)."""
+  x = rng.standard_normal(shape)
+  flat = x.reshape(shape[0], -1)
+  flat *= 10.0 ** rng.uniform(-3, 3, (shape[0], -(-flat.shape[1] // 256))).repeat(256, 1)[:, :flat.shape[1]]
+  return flat.reshape(shape).astype(np.float32)
+
+
+def run_reduce(mesh, method, grads, residual, basis=None, views=None):
+  specs = jax.tree.map(lambda g: P("data", *([None] * (g.ndim - 1))), grads)
+  with jax.set_mesh(mesh):
+    fn = jax.jit(lambda g, e, b: compression.reduce(g, e, method, specs, b, views or {}))
+    return jax.device_get(fn(grads, residual, basis))
+
+
+def bound(v_S, method):
+  """Per element, the largest difference the two-phase sum may have from the exact sum: phase 1 rounds every
+  copy but the chunk owner's own (int8: half a step of its block's scale, max |x| / 127; bf16: 2^-8 relative),
+  phase 2 rounds the owner's sum (bounded by the exact sum plus phase 1's error), plus float32 rounding."""
+  n = v_S.shape[0]
+  flat = v_S.reshape(n, -1).astype(np.float64)
+  L = flat.shape[1]
+  unit = n * (compression.BLOCK if method == "int8" else 1)
+  padded = -(-L // unit) * unit
+  x = np.pad(flat, ((0, 0), (0, padded - L)))
+  C = padded // n
+  owner = np.arange(padded) // C
+  if method == "int8":
+    half_step = lambda a: np.abs(a).reshape(*a.shape[:-1], -1, compression.BLOCK).max(-1).repeat(
+        compression.BLOCK, -1) / 254
+  else:
+    half_step = lambda a: np.abs(a) * 2.0 ** -8
+  steps = half_step(x)
+  phase1 = steps.sum(0) - steps[owner, np.arange(padded)]
+  phase2 = half_step(np.abs(x.sum(0)) + phase1)
+  slack = 1e-6 * np.abs(x).sum(0)
+  return (phase1 + phase2 + slack)[:L].reshape(v_S.shape[1:])
+
+
+@pytest.mark.parametrize("method", ["int8", "bf16"])
+def test_two_phase_sum_is_within_the_quantisation_bound(method):
+  """On 4 data shards: each element of the compressed sum within the bound computed from the values sent (and
+  not exact: it was compressed); a leaf too small for the exchange is summed exactly; one step's sum and the
+  new residuals add up to the exact sum (the residual is exactly what was dropped)."""
+  rng = np.random.default_rng(0)
+  grads = {"w": blocky(rng, (SHARDS, 5, 1000)), "norm": rng.standard_normal((SHARDS, 40)).astype(np.float32)}
+  zeros = jax.tree.map(np.zeros_like, grads)
+  summed, residual, _ = run_reduce(data_mesh(), method, grads, zeros)
+  exact = grads["w"].astype(np.float64).sum(0)
+  err = np.abs(summed["w"] - exact)
+  limit = bound(grads["w"], method)
+  assert err.max() > 0
+  assert (err <= limit).all(), (err / limit).max()
+  assert (err / limit).max() > 0.05  # the bound is not loose by orders of magnitude
+  np.testing.assert_allclose(summed["norm"], grads["norm"].sum(0), rtol=1e-6)
+  assert not residual["norm"].any()
+  np.testing.assert_allclose(summed["w"] + residual["w"].sum(0), exact, rtol=1e-5, atol=1e-6 * np.abs(exact).max())
+
+
+def test_powersgd_at_full_rank_equals_the_sum():
+  """Rank min(rows, columns): the sum of the shards' matrices exactly, step after step with the basis warm-started,
+  also when the gradients are of lower rank (which leaves the carried basis degenerate)."""
+  rng = np.random.default_rng(1)
+  for m, n in ((24, 16), (16, 24)):
+    r = min(m, n)
+    Q = jnp.asarray(rng.standard_normal((3, n, r)), jnp.float32)
+    for step in range(3):
+      low = rng.standard_normal((SHARDS, 3, m, 2)) @ rng.standard_normal((SHARDS, 3, 2, n))  # rank 2 per shard
+      M_S = jnp.asarray(low if step else rng.standard_normal((SHARDS, 3, m, n)), jnp.float32)
+      summed, dropped, Q = compression.powersgd_matrix(M_S, Q)
+      np.testing.assert_allclose(summed, M_S.sum(0), rtol=1e-4, atol=1e-4)
+      np.testing.assert_allclose(dropped.sum(0), 0, atol=1e-4)
+
+
+def test_powersgd_low_rank_keeps_the_leading_direction():
+  """Rank 1 of a sum that is one outer product plus noise: the outer product comes back after a few warm-started
+  steps (power iteration), the noise does not."""
+  rng = np.random.default_rng(2)
+  u, v = rng.standard_normal((32, 1)), rng.standard_normal((1, 20))
+  Q = jnp.asarray(rng.standard_normal((20, 1)), jnp.float32)
+  for _ in range(4):
+    M_S = jnp.asarray(u @ v / SHARDS + 0.01 * rng.standard_normal((SHARDS, 32, 20)), jnp.float32)
+    summed, _, Q = compression.powersgd_matrix(M_S, Q)
+  assert np.abs(np.asarray(summed) - u @ v).max() < 0.05 * np.abs(u @ v).max()
+
+
+@pytest.mark.parametrize("method", ["int8", "bf16", "powersgd"])
+def test_error_feedback_loses_nothing_over_steps(method):
+  """Over 6 steps with the residual carried: Σ applied sums + the residuals left = Σ gradients (what compression
+  dropped is delayed, never lost), while the applied sums alone differ from the gradients' (it did drop)."""
+  rng = np.random.default_rng(3)
+  shape = (SHARDS, 2, 64, 40)  # 5120 values per device: enough for the two-phase exchange
+  views = {"w": compression.matrix_view(shape[1:], ("layers", "embed", "mlp"))} if method == "powersgd" else {}
+  basis = {"w": jnp.asarray(rng.standard_normal((2, 40, 4)), jnp.float32)} if method == "powersgd" else None
+  residual = {"w": np.zeros(shape, np.float32)}
+  applied, total = 0.0, 0.0
+  mesh = data_mesh()
+  for _ in range(6):
+    grads = {"w": rng.standard_normal(shape).astype(np.float32)}
+    summed, residual, basis = run_reduce(mesh, method, grads, residual, basis, views)
+    applied = applied + summed["w"].astype(np.float64)
+    total = total + grads["w"].astype(np.float64).sum(0)
+  scale = np.abs(total).max()
+  assert np.abs(applied - total).max() > 1e-4 * scale
+  np.testing.assert_allclose(applied + residual["w"].sum(0), total, atol=2e-5 * scale)
+
+
+def test_matrix_views_split_stacked_parameters_into_matrices():
+  assert compression.matrix_view((4, 64, 32), ("layers", "embed", "mlp")) == (1, 64, 32)
+  assert compression.matrix_view((4, 8, 64, 32), ("layers", "experts", "embed", "expert_mlp")) == (2, 64, 32)
+  # heads × head_dim × embed: rows × columns nearest to square (40 × 40, not 4 × 400)
+  assert compression.matrix_view((2, 4, 10, 40), ("layers", "heads", "head_dim", "embed")) == (1, 40, 40)
+  assert compression.matrix_view((2, 40), ("layers", "embed")) is None
+  assert not compression.compressed_view((0, 8, 8), 4)  # 4 · 16 values would not save any of the 64
+  assert compression.compressed_view((0, 64, 32), 4)
+
+
+def compiled_wire_bytes(*overrides, shards=SHARDS):
+  """Bytes each device sends per step over `data` in the compiled step (data-parallel only: every collective
+  spans `data`), and the count `step_lib.compression_bytes` gives for the same setup."""
+  from jaxseek.explore import compile as explore_compile
+
+  sys.path.insert(0, str(CONFIGS.parent / "benchmarks"))
+  from compression_bytes import wire
+
+  cfg = load_config("tiny-dense", f"mesh.data={shards}", "model.hidden_size=128", "model.intermediate_size=384",
+                    "model.head_dim=32", "model.vocab_size=512", *overrides)
+  mesh = make_mesh(cfg, jax.devices()[:shards])
+  trainer = step_lib.make_trainer(cfg, mesh)
+  with jax.set_mesh(mesh):
+    text = step_lib.compile_step(trainer, cfg, mesh).lower(
+        trainer.abstract_state, explore_compile.abstract_batch(cfg, mesh)).compile().as_text()
+  coll = explore_compile.collective_bytes(text, tuple(mesh.devices.shape))
+  return wire(coll, dict(mesh.shape)), step_lib.compression_bytes(cfg, trainer, mesh), coll
+
+
+def test_compressed_sums_send_a_fraction_of_the_bytes_at_any_data_size():
+  """From the compiled step's collectives on 4 data shards (the ratios hold at any size: both phases send
+  (n − 1)/n of the block): int8 ≤ 0.3×, bf16 ≤ 0.55×, PowerSGD rank 4 ≤ 0.1× the float32 all-reduce; the count
+  the explorer and the start-up line use equals the compiled bytes within 1%."""
+  none, none_counted, coll = compiled_wire_bytes()
+  assert set(coll) == {"all-reduce"}
+  assert none_counted == pytest.approx(none, rel=1e-3)
+  for method, ceiling in (("int8", 0.3), ("bf16", 0.55), ("powersgd", 0.1)):
+    got, counted, coll = compiled_wire_bytes(f"train.grad_compression={method}")
+    assert got / none <= ceiling, (method, got / none)
+    assert counted == pytest.approx(got, rel=0.01), (method, coll)
+    if method != "powersgd":  # the two phases: an all-to-all of int8 (bfloat16 bits) and an all-gather of them
+      assert {"all-to-all", "all-gather"} <= set(coll), coll
+
+
+def test_powersgd_trains_beside_the_uncompressed_step():
+  """tiny-v3 (MoE) over data 2 × expert 2 × tensor 2, rank 2: the basis moves each step, something is left in the
+  residual, and the losses stay within 2% of the uncompressed run's."""
+  from test_precision import train
+
+  mesh = ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2")
+  exact = [float(r["loss"]) for r in train("tiny-v3", mesh, steps=6)[0]]
+  records, state, trainer = train("tiny-v3", (*mesh, "train.grad_compression=powersgd", "train.powersgd_rank=2"),
+                                  steps=6)
+  got = [float(r["loss"]) for r in records]
+  np.testing.assert_allclose(got, exact, rtol=0.02)
+  assert got != exact
+  start = jax.device_get(trainer.init().grad_basis)
+  assert jax.tree.leaves(start) and all(not np.array_equal(a, b) for a, b in
+                                        zip(jax.tree.leaves(start), jax.tree.leaves(jax.device_get(state.grad_basis))))
+  assert max(float(np.abs(r).max()) for r in jax.tree.leaves(state.grad_residual)) > 0
+
+
+def test_powersgd_rank_must_be_positive():
+  from jaxseek.errors import UserError
+
+  with pytest.raises(UserError, match="train.powersgd_rank: 0 must be ≥ 1"):
+    load_config("tiny-dense", "train.grad_compression=powersgd", "train.powersgd_rank=0")
+
+
+RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-dense.yaml"), "mesh.num_cpu_devices=4", "mesh.data=2",
+       "mesh.fsdp=2", "metrics.every=1", "train.steps=16", "checkpoint.every=4", "train.grad_compression=powersgd",
+       "train.powersgd_rank=2", "optim.warmup_steps=3"]
+
+
+def test_resume_after_a_kill_with_powersgd_is_exact(tmp_path, run_env):
+  """The residuals and bases are in the checkpoint: killed after step 9 and resumed from the last checkpoint
+  (step 8 or 12), the losses of every step after it equal the uninterrupted run's bit for bit."""
+  straight = tmp_path / "straight"
+  done = subprocess.run([sys.executable, *RUN, f"train.run_dir={straight}"], env=run_env, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stdout + done.stderr
+  run_dir = tmp_path / "killed"
+  proc = subprocess.Popen([sys.executable, *RUN, f"train.run_dir={run_dir}"], env=run_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  deadline = time.monotonic() + 300
+  while not ((run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 9):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  done = subprocess.run([sys.executable, *RUN, f"train.run_dir={run_dir}"], env=run_env, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stdout + done.stderr
+  resumed = int(done.stdout.split("resumed from step ")[1].split()[0])
+  assert resumed in (8, 12), done.stdout
+  want, got = losses(straight), losses(run_dir)
+  assert sorted(got) == list(range(1, 17))
+  assert [got[s] for s in range(resumed + 1, 17)] == [want[s] for s in range(resumed + 1, 17)]
