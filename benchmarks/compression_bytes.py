@@ -2,7 +2,7 @@
 the compiled train step on simulated CPU devices (the collectives' static shapes, loop bodies weighted by their
 trip counts), against no compression.
 
-  python benchmarks/compression_bytes.py --config configs/bench-v3-1b.yaml --data 8 16 \
+  python benchmarks/compression_bytes.py --config configs/bench-v3-1b.yaml --data 8 16 -- \
       model.num_hidden_layers=4 train.seq_len=128
 
 The mesh is data-parallel only (data = N, every other axis 1), so every collective of the step spans `data`.

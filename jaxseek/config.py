@@ -248,6 +248,7 @@ class TrainConfig:
   grad_compression: Literal["none", "bf16", "int8", "powersgd"] = "none"  # the data-axis gradient sum:
   # sharding/compression.py, docs/compression.md
   powersgd_rank: int = 4  # grad_compression=powersgd: the rank of each weight matrix's gradient on the wire
+  powersgd_start_step: int = 0  # grad_compression=powersgd: steps before this one sum in float32 (warm-up)
   loss_scale_init: float = 32768.0  # float16 compute: the first loss scale
   loss_scale_window: int = 1000  # float16 compute: the scale doubles after this many steps without overflow
   loss_scale_min: float = 1.0  # float16 compute: halving never takes the scale below this
@@ -564,6 +565,9 @@ def _check_train(cfg: Config) -> None:
   t = cfg.train
   if t.powersgd_rank < 1:
     raise UserError(f"config key train.powersgd_rank: {t.powersgd_rank} must be ≥ 1 (4 is a good start)")
+  if t.powersgd_start_step < 0:
+    raise UserError(f"config key train.powersgd_start_step: {t.powersgd_start_step} must be ≥ 0 (0: compress "
+                    f"from the first step)")
   if t.batch_size % t.microbatches:
     raise UserError(f"config key train.microbatches: {t.microbatches} must divide train.batch_size={t.batch_size}")
   if t.pipeline_schedule in ("circular", "interleaved_1f1b") and t.pipeline_repeats < 2:

@@ -133,7 +133,7 @@ _UNMAPPED = {
     "zero_optimization.zero_hpz_partition_size": "set mesh.fsdp to the partition size and mesh.data to the rest",
     "zero_optimization.zero_quantized_weights": "not built",
     "zero_optimization.zero_quantized_gradients": "train.grad_compression=int8 compresses the data-axis sum "
-                                                  "(dense models, mesh.data > 1)",
+                                                  "(mesh.data > 1; docs/compression.md)",
     "fp16.consecutive_hysteresis": "jaxseek refills the hysteresis budget only when the scale grows "
                                    "(DeepSpeed's default, consecutive_hysteresis false)",
     "activation_checkpointing.cpu_checkpointing": "train.remat=offload keeps saved activations in host memory "
@@ -356,8 +356,8 @@ def _precision(get, unmapped, out: Translation, flat: dict[str, Any]) -> None:
     out.set("train.compute_dtype", "float32", "neither fp16 nor bf16 enabled: DeepSpeed computes in float32")
   dtype = get("communication_data_type")
   if dtype is not None:
-    unmapped("communication_data_type", "gradients are reduced in float32; train.grad_compression=bf16 or int8 "
-             "compresses the data-axis sum (dense models with mesh.data > 1)")
+    unmapped("communication_data_type", "gradients are reduced in float32; train.grad_compression=bf16, int8 or "
+             "powersgd compresses the data-axis sum (mesh.data > 1; docs/compression.md)")
   accum_dtype = flat.get("data_types.grad_accum_dtype")
   if accum_dtype not in (None, "fp32", "float32"):
     unmapped("data_types.grad_accum_dtype", "gradients are always accumulated in float32")

@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import CONFIGS, load_config, losses
 from jaxseek import step as step_lib
+from jaxseek.config import MESH_AXES
+from jaxseek.explore import core as explore
 from jaxseek.input import global_batches
 from jaxseek.sharding import compression
 from jaxseek.sharding.mesh import make_mesh
@@ -143,12 +145,14 @@ def test_matrix_views_split_stacked_parameters_into_matrices():
   assert compression.matrix_view((2, 4, 10, 40), ("layers", "heads", "head_dim", "embed")) == (1, 40, 40)
   assert compression.matrix_view((2, 40), ("layers", "embed")) is None
   assert not compression.compressed_view((0, 8, 8), 4)  # 4 · 16 values would not save any of the 64
+  assert not compression.compressed_view((0, 40, 8), 4)  # 192 of 320: not half
   assert compression.compressed_view((0, 64, 32), 4)
 
 
 def compiled_wire_bytes(*overrides, shards=SHARDS):
   """Bytes each device sends per step over `data` in the compiled step (data-parallel only: every collective
-  spans `data`), and the count `step_lib.compression_bytes` gives for the same setup."""
+  spans `data`), and the count `step_lib.compression_bytes` gives for the same setup (which the explorer's
+  table repeats)."""
   from jaxseek.explore import compile as explore_compile
 
   sys.path.insert(0, str(CONFIGS.parent / "benchmarks"))
@@ -162,6 +166,10 @@ def compiled_wire_bytes(*overrides, shards=SHARDS):
     text = step_lib.compile_step(trainer, cfg, mesh).lower(
         trainer.abstract_state, explore_compile.abstract_batch(cfg, mesh)).compile().as_text()
   coll = explore_compile.collective_bytes(text, tuple(mesh.devices.shape))
+  sizes = {**dict.fromkeys(MESH_AXES, 1), "data": shards}
+  table = explore.plan(explore.describe(cfg), sizes, explore.hardware("h100-80g"))["gradient_compression"]
+  assert table["bytes_per_device"][cfg.train.grad_compression] == pytest.approx(
+      step_lib.compression_bytes(cfg, trainer, mesh), rel=1e-6)  # the explorer counts as the start-up line does
   return wire(coll, dict(mesh.shape)), step_lib.compression_bytes(cfg, trainer, mesh), coll
 
 
@@ -198,15 +206,35 @@ def test_powersgd_trains_beside_the_uncompressed_step():
   assert max(float(np.abs(r).max()) for r in jax.tree.leaves(state.grad_residual)) > 0
 
 
+def test_powersgd_start_step_sums_in_float32_before_it():
+  """train.powersgd_start_step=3: steps 1–3 are the float32 sum (the uncompressed run's losses and gradient norms
+  to float32 reassociation, bases untouched), step 4 compresses (its rank-2 gradient has a smaller norm)."""
+  from test_precision import train
+
+  mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+  exact = train("tiny-dense", mesh, steps=4)[0]
+  warm = (*mesh, "train.grad_compression=powersgd", "train.powersgd_rank=2", "train.powersgd_start_step=3")
+  records, state, trainer = train("tiny-dense", warm, steps=3)
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose([float(r[key]) for r in records], [float(r[key]) for r in exact[:3]], rtol=1e-5)
+  start = jax.device_get(trainer.init().grad_basis)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(jax.device_get(
+      state.grad_basis))))
+  fourth = train("tiny-dense", warm, steps=4)[0][3]
+  assert float(fourth["grad_norm"]) < 0.99 * float(exact[3]["grad_norm"])
+
+
 def test_powersgd_rank_must_be_positive():
   from jaxseek.errors import UserError
 
   with pytest.raises(UserError, match="train.powersgd_rank: 0 must be ≥ 1"):
     load_config("tiny-dense", "train.grad_compression=powersgd", "train.powersgd_rank=0")
+  with pytest.raises(UserError, match="train.powersgd_start_step: -1 must be ≥ 0"):
+    load_config("tiny-dense", "train.grad_compression=powersgd", "train.powersgd_start_step=-1")
 
 
-RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-dense.yaml"), "mesh.num_cpu_devices=4", "mesh.data=2",
-       "mesh.fsdp=2", "metrics.every=1", "train.steps=16", "checkpoint.every=4", "train.grad_compression=powersgd",
+RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-dense.yaml"), "mesh.num_cpu_devices=2", "mesh.data=2",
+       "metrics.every=1", "train.steps=16", "checkpoint.every=4", "train.grad_compression=powersgd",
        "train.powersgd_rank=2", "optim.warmup_steps=3"]
 
 

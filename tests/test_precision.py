@@ -13,7 +13,6 @@ from jaxseek.config import MESH_AXES
 from jaxseek.errors import UserError
 from jaxseek.explore import core as explore
 from jaxseek.input import global_batches
-from jaxseek.sharding import compression
 from jaxseek.sharding.mesh import make_mesh
 
 
@@ -220,7 +219,6 @@ def test_remat_policies_order_compiled_memory_as_the_explorer_predicts():
 
 
 COMPRESS_MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-ITEM = {"f32": 4, "bf16": 2, "u16": 2, "s8": 1, "s32": 4, "pred": 1}
 
 
 MOE_COMPRESS_MESH = ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2")
@@ -246,53 +244,6 @@ def test_compressed_gradient_sum_tracks_the_exact_one(name, mesh, method):
   residual = jax.tree.leaves(state.grad_residual)
   assert residual and all(r.shape[0] == 2 for r in residual)  # one residual per data shard
   assert max(float(np.abs(r).max()) for r in residual) > 0  # compression dropped something, kept for next step
-
-
-def data_axis_collectives(*overrides):
-  """(dtype, collective, bytes of the result) of every array that a data-axis-only collective of the compiled
-  step produces (tiny-dense on data 2 × tensor 4: the parameters are whole on `data`)."""
-  from jaxseek.explore import compile as explore_compile
-
-  cfg = load_config("tiny-dense", "mesh.data=2", "mesh.tensor=2", *overrides)
-  mesh = make_mesh(cfg, jax.devices()[:4])
-  trainer = step_lib.make_trainer(cfg, mesh)
-  batch = next(global_batches(cfg, mesh))
-  with jax.set_mesh(mesh):
-    text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile().as_text()
-  sizes = tuple(mesh.shape[a] for a in MESH_AXES)
-  out = []
-  for line in text.splitlines():
-    found = re.search(r"= (.+?) (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)
-    if found and explore_compile.collective_axes(line, sizes) == ("data",):
-      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", found.group(1)):
-        out.append((dtype, found.group(2), int(np.prod([int(d) for d in dims.split(",") if d])) * ITEM[dtype]))
-  return out
-
-
-@pytest.mark.parametrize("method, ratio", [("int8", 4.0), ("bf16", 2.0)])
-def test_compression_moves_fewer_bytes_over_data(method, ratio):
-  """On 2 data shards every gradient crosses `data` as int8 (bfloat16), read from the compiled module's result
-  types: each device's whole gradient block is gathered once, (n-1) x 1 (2) bytes per element against the
-  float32 all-reduce's 2(n-1)/n x 4, so 4x (2x) fewer bytes on the wire."""
-  cfg = load_config("tiny-dense", "mesh.data=2", "mesh.tensor=2")
-  trainer = step_lib.make_trainer(cfg, make_mesh(cfg, jax.devices()[:4]))
-  local = sum(int(np.prod(s.shard_shape(x.shape))) for s, x in zip(jax.tree.leaves(trainer.state_shardings.params),
-                                                                  jax.tree.leaves(trainer.abstract_state.params)))
-  packed = data_axis_collectives(f"train.grad_compression={method}")
-  wire = {"int8": "s8", "bf16": "u16"}[method]  # bfloat16 travels as its bits
-  gathered = [c for c in packed if c[0] == wire and c[1] == "all-gather"]
-  assert not [c for c in packed if c[1] == "all-reduce" and c[2] > 64]  # no float32 gradient sum is left
-  received = sum((2 - 1) / 2 * c[2] for c in gathered)  # an all-gather brings (n-1)/n of its result
-  assert received == local * ITEM[wire]  # every gradient element, once, in the compressed dtype
-  plain = [c for c in data_axis_collectives() if c[1] == "all-reduce" and c[2] > 64]
-  assert plain and all(c[0] == "f32" for c in plain)  # without compression: float32 all-reduces
-  assert compression.wire_bytes(local, 2, "none") / received == pytest.approx(ratio)
-  assert compression.wire_bytes(local, 2, method) == received
-  # the explorer reports that exchange with the same bytes
-  cfg = load_config("tiny-dense", "mesh.data=2", "mesh.tensor=2", f"train.grad_compression={method}")
-  sizes = {**dict.fromkeys(MESH_AXES, 1), "data": 2, "tensor": 2}
-  (row,) = explore.plan(explore.describe(cfg), sizes, explore.hardware("h100-80g"))["communication"]["data"]
-  assert row["collective"] == "all-gather" and row["bytes_per_device"] == pytest.approx(received, rel=1e-3)
 
 
 def test_grad_compression_refused_with_a_pipeline():

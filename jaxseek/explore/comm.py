@@ -171,12 +171,14 @@ def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
       what = "gradients of weights replicated on the axis, per microbatch"
       out.append((axis, "all-reduce", what, pick(f"{axis}_n"), pick(axis)))
   if compressed:  # the data-axis gradient sum goes compressed (sharding/compression.py), once per step
-    item = em.ITEMSIZE[cfg.train.param_dtype]
-    factor = compression.wire_bytes(1, sizes["data"], cfg.train.grad_compression) / \
-        compression.wire_bytes(1, sizes["data"], "none", item)
-    out = [(axis, "all-gather", f"gradients as {cfg.train.grad_compression} (train.grad_compression), once per step",
-            count, nbytes * factor) if axis == "data" and kind == "all-reduce" else (axis, kind, what, count, nbytes)
-           for axis, kind, what, count, nbytes in out]
+    method = cfg.train.grad_compression
+    kind = "all-reduce" if method == "powersgd" else "all-to-all+all-gather"
+    what = (f"PowerSGD rank-{cfg.train.powersgd_rank} factors P and Q (float32; vectors whole), once per step"
+            if method == "powersgd" else f"gradients as {method}, reduce-scattered (all-to-all) then all-gathered, "
+            "once per step")
+    nbytes = compression_bytes(model, sizes, stage, stages, method)
+    out = [(axis, kind, what, count, nbytes) if axis == "data" and k == "all-reduce" else (axis, k, w, count, b)
+           for axis, k, w, count, b in out]
   n = sizes["fsdp"]
   if cfg.train.zero == 1 and n > 1:  # the optimiser updates its fsdp shard; the new weights are gathered
     held = [(leaf, ex.on_stage(leaf, stage, stages)) for leaf in ex.leaves_on(model, sizes) if leaf.kind == "params"]
@@ -195,6 +197,27 @@ def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
             ("pipeline", "all-reduce", "gradients of the weights every stage holds whole (they run data-parallel "
              "outside the schedule), once per step", pipe["reduce_n"], pipe["reduce"])]
   return out
+
+
+def compression_bytes(model: ex.Model, sizes, stage, stages, method: str) -> float:
+  """Bytes one device sends per step for the data-axis gradient sum under train.grad_compression=`method`
+  (compression.step_bytes on the parameters the stage holds)."""
+  leaves = []
+  for leaf in ex.leaves_on(model, sizes):
+    count = ex.on_stage(leaf, stage, stages)
+    if leaf.kind == "params" and count != 0:
+      shape = leaf.shape if count is None else (count, *leaf.shape[1:])
+      leaves.append((shape, leaf.names, ex.leaf_bytes(leaf, sizes, count) // leaf.itemsize))
+  return compression.step_bytes(leaves, sizes["data"], method, model.cfg.train.powersgd_rank,
+                                em.ITEMSIZE[model.cfg.train.param_dtype])
+
+
+def compression_table(model: ex.Model, sizes, stage, stages) -> dict:
+  """What each train.grad_compression method sends per device per step over `data`, beside none."""
+  got = {m: compression_bytes(model, sizes, stage, stages, m) for m in compression.METHODS}
+  return {"data": sizes["data"], "configured": model.cfg.train.grad_compression,
+          "powersgd_rank": model.cfg.train.powersgd_rank, "bytes_per_device": got,
+          "ratio_to_none": {m: b / got["none"] if got["none"] else 1.0 for m, b in got.items()}}
 
 
 def pipeline_splits_batch(cfg, sizes) -> bool:

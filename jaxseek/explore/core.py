@@ -153,6 +153,9 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       "communication": comm,
       "expert_dispatch": comm_lib.expert_exchange(cfg, sizes, hw, platform),
       "gradient_sums_once_per_step": list(comm_lib.summed_axes(cfg, sizes)),
+      "gradient_compression": comm_lib.compression_table(model, sizes, memory["stage"],
+                                                         layout_lib.stage_layers(cfg, sizes["pipeline"]))
+      if sizes["data"] > 1 else None,
       "compute": compute,
       "step_time_s": comm_lib.step_seconds(compute, comm),
   }

@@ -129,12 +129,23 @@ def print_communication(result: dict[str, Any], out: Console) -> None:
   if summed is not None:
     out.print(f"gradient sums once per step over: {', '.join(summed) or 'none'} (the other batch axes reduce per "
               f"microbatch)")
+  g = result.get("gradient_compression")
+  if g:
+    out.print(compression_line(g))
   x = result.get("expert_dispatch")
   if x and x["shards"] > 1:
     out.print(expert_line(x))
   out.print(f"compute {compute['flops_per_device']:.3g} FLOPs/device → {seconds(compute['time_s'])} at "
                 f"{hw['peak_tflops']:g} TFLOP/s; pipeline bubble {seconds(compute['bubble_s'])}; estimated step "
                 f"{seconds(result['step_time_s'])} (no overlap of compute and collectives)")
+
+
+def compression_line(g: dict[str, Any]) -> str:
+  """Where train.grad_compression pays on this data size: each method's bytes per device per step."""
+  name = lambda m: f"powersgd rank {g['powersgd_rank']}" if m == "powersgd" else m
+  parts = [f"{name(m)} {human(b)} ({g['ratio_to_none'][m]:.2f}×)" for m, b in g["bytes_per_device"].items()]
+  return f"data-axis gradient sum over data={g['data']}, per device per step: {' | '.join(parts)} " \
+         f"(train.grad_compression={g['configured']})"
 
 
 def expert_line(x: dict[str, Any]) -> str:

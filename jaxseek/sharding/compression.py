@@ -29,8 +29,8 @@ rows × columns where the matrix is nearest to square. With M = g + e on each sh
   (all-reduce);  sum = P·Qᵀ;  e ← M − P·Q_sᵀ (each shard's own part);  Q is kept for the next step (warm start).
 
   Orthonormalising Q first (a QR of [n, r], no communication) keeps the power step exact at full rank even when a
-  gradient of lower rank left Q degenerate. Matrices that r(rows + columns) values would not save bytes on, and
-  vectors, are summed in float32. Bytes: 2(n − 1)/n · 4 · r(rows + columns) per matrix.
+  gradient of lower rank left Q degenerate. Matrices whose factors, r(rows + columns) values, would be more than
+  half their own (MIN_RATE, as PyTorch's PowerSGD hook), and vectors, are summed in float32. Bytes: 2(n − 1)/n · 4 · r(rows + columns) per matrix.
 """
 
 from __future__ import annotations
@@ -50,20 +50,32 @@ HIGHEST = jax.lax.Precision.HIGHEST  # float32 products (no TF32 on GPUs)
 
 
 def reduce(grads_S: Any, residual_S: Any, method: str, specs: Any, basis: Any = None,
-           views: dict | None = None) -> tuple[Any, Any, Any]:
+           views: dict | None = None, uncompressed: jax.Array | None = None) -> tuple[Any, Any, Any]:
   """(Σ over shards of the compressed `grads_S` + `residual_S`, the new residual, the new PowerSGD basis); leaves
   [shards, ...] float32 split over `data` along the first axis, placed as `specs` (PartitionSpecs of the
   residual: data, then the parameter's own), which the sum keeps without the first axis. `basis`, `views`
-  (powersgd): the basis of each compressed matrix (`init_basis`) and `matrix_views`."""
+  (powersgd): the basis of each compressed matrix (`init_basis`) and `matrix_views`; `uncompressed` (powersgd,
+  a traced bool): sum the matrices in float32 this step instead, bases kept (train.powersgd_start_step)."""
   pairs, treedef = jax.tree_util.tree_flatten_with_path(grads_S)
   keys, leaves = [_key(p) for p, _ in pairs], [g for _, g in pairs]
   specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))  # in the order of the leaves
   residuals = treedef.flatten_up_to(residual_S)
   if method == "powersgd":
     flat_basis = _flat(basis)
-    out = [_powersgd(g + e, flat_basis[k], views[k], spec) if k in views else _plain(g + e, spec)
-           for g, e, spec, k in zip(leaves, residuals, specs, keys)]
-    new_basis = _nest({k: o[2] for k, o in zip(keys, out) if k in views})
+    v = [g + e for g, e in zip(leaves, residuals)]
+    low = [i for i, k in enumerate(keys) if k in views]
+
+    def low_rank(vs):
+      return [_powersgd(x, flat_basis[keys[i]], views[keys[i]], specs[i]) for i, x in zip(low, vs)]
+
+    def whole(vs):
+      return [(*_plain(x, specs[i])[:2], flat_basis[keys[i]]) for i, x in zip(low, vs)]
+
+    picked = low_rank([v[i] for i in low]) if uncompressed is None else \
+        jax.lax.cond(uncompressed, whole, low_rank, [v[i] for i in low])
+    by_leaf = dict(zip(low, picked))
+    out = [by_leaf[i] if i in by_leaf else _plain(x, spec) for i, (x, spec) in enumerate(zip(v, specs))]
+    new_basis = _nest({keys[i]: o[2] for i, o in zip(low, picked)})
   elif method in ("bf16", "int8"):
     out = [(*_two_phase(g + e, spec, method), None) for g, e, spec in zip(leaves, residuals, specs)]
     new_basis = basis
@@ -167,9 +179,13 @@ def matrix_view(shape: tuple[int, ...], logical_axes: tuple) -> tuple[int, int, 
   return b, math.prod(rest[:cut]), math.prod(rest[cut:])
 
 
+MIN_RATE = 2  # powersgd: a matrix goes low-rank only when that sends at most half its values
+
+
 def compressed_view(view: tuple[int, int, int] | None, rank: int) -> bool:
-  """Whether a matrix goes low-rank: its rank-r factors, r(rows + columns) values, are fewer than its own."""
-  return view is not None and rank * (view[1] + view[2]) < view[1] * view[2]
+  """Whether a matrix goes low-rank: its rank-r factors, r(rows + columns) values, at most 1/MIN_RATE of its own
+  (a router of 8 experts is not worth it at rank 4: whole, it trains as the uncompressed model does)."""
+  return view is not None and MIN_RATE * rank * (view[1] + view[2]) <= view[1] * view[2]
 
 
 def matrix_views(abstract_params: Any, rank: int) -> dict[str, tuple[int, int, int]]:
