@@ -173,6 +173,8 @@ class Checkpointer:
       return values
     values["opt_state"] = from_pure(abstract_state.opt_state, arrays["opt_state"])
     values.update(arrays["train"])
+    # the gradient residuals mirror the parameters: their Variables back, as the step's trees expect
+    values["grad_residual"] = from_pure(abstract_state.grad_residual, arrays["train"]["grad_residual"])
     return dataclasses.replace(abstract_state, **values)
 
   def _data_states_if_resplit(self, step: int) -> list | None:

@@ -240,7 +240,7 @@ RUN = ["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-dense.yaml"), "mes
 
 def test_resume_after_a_kill_with_powersgd_is_exact(tmp_path, run_env):
   """The residuals and bases are in the checkpoint: killed after step 9 and resumed from the last checkpoint
-  (step 8 or 12), the losses of every step after it equal the uninterrupted run's bit for bit."""
+  (step 4, 8 or 12), the losses of every step after it equal the uninterrupted run's bit for bit."""
   straight = tmp_path / "straight"
   done = subprocess.run([sys.executable, *RUN, f"train.run_dir={straight}"], env=run_env, capture_output=True,
                         text=True, timeout=600)
@@ -258,7 +258,7 @@ def test_resume_after_a_kill_with_powersgd_is_exact(tmp_path, run_env):
                         text=True, timeout=600)
   assert done.returncode == 0, done.stdout + done.stderr
   resumed = int(done.stdout.split("resumed from step ")[1].split()[0])
-  assert resumed in (8, 12), done.stdout
+  assert resumed in (4, 8, 12), done.stdout  # the last checkpoint finished before the kill
   want, got = losses(straight), losses(run_dir)
   assert sorted(got) == list(range(1, 17))
   assert [got[s] for s in range(resumed + 1, 17)] == [want[s] for s in range(resumed + 1, 17)]
