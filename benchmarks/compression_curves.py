@@ -8,6 +8,10 @@ on byte-level python-stdlib text over 8 simulated CPU devices, all on `data` (da
 for every method. Printed per method: the final loss (the mean of the last 20 steps, as one step's loss is
 noisy) averaged over the seeds and its difference from none's, with each seed's. Results go to
 benchmarks/results.jsonl (bench "compression_curves"); --plot draws the curves (needs matplotlib).
+
+  python benchmarks/compression_curves.py --from benchmarks/results.jsonl --plot docs/compression_curves.png
+
+redraws and reprints the compression_curves results of earlier runs (the last per method and overrides).
 """
 
 from __future__ import annotations
@@ -68,23 +72,38 @@ def main() -> None:
   parser.add_argument("--methods", nargs="+", default=["none", "int8", "powersgd"])
   parser.add_argument("--plot", default=None)
   parser.add_argument("--results", default=None)
+  parser.add_argument("--from", dest="saved", nargs="+", default=None, metavar="RESULTS_JSONL")
   parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
   args = parser.parse_args()
   curves: dict[str, list[np.ndarray]] = {}
+  if args.saved:
+    for path in args.saved:
+      for r in read_jsonl(Path(path)):
+        if r.get("bench") == "compression_curves":
+          curves[" ".join([r["method"], *r["overrides"]])] = [np.array(c) for c in r["losses"]]
+    report(curves, args, save=False)
+    return
   with tempfile.TemporaryDirectory() as tmp:
     for method in args.methods:
       for seed in args.seeds:
         got = curve(args.steps, seed, method, args.overrides, Path(tmp) / f"{method}-{seed}")
         curves.setdefault(method, []).append(got)
         print(f"{method} seed {seed}: final (last {TAIL} mean) {got[-TAIL:].mean():.4f}", flush=True)
+  report(curves, args, save=True)
+
+
+def report(curves: dict[str, list[np.ndarray]], args, save: bool) -> None:
   finals = {m: np.array([c[-TAIL:].mean() for c in runs]) for m, runs in curves.items()}
   base = finals.get("none")
-  print(f"{'method':<10} {'final':>8} {'vs none':>8}  per seed")
+  w = max(10, *(len(m) for m in finals))
+  print(f"{'method':<{w}} {'final':>8} {'vs none':>8}  per seed")
   for method, f in finals.items():
     rel = f.mean() / base.mean() - 1 if base is not None else float("nan")
     seeds = ", ".join(f"{x:.4f}" + (f" ({x / b - 1:+.2%})" if base is not None else "") for x, b in
                       zip(f, base if base is not None else f))
-    print(f"{method:<10} {f.mean():>8.4f} {rel:>+8.2%}  {seeds}")
+    print(f"{method:<{w}} {f.mean():>8.4f} {rel:>+8.2%}  {seeds}")
+    if not save:
+      continue
     common.append_result(args.results or common.RESULTS, dict(
         bench="compression_curves", steps=args.steps, seeds=args.seeds, method=method, overrides=args.overrides,
         final_last20=f.tolist(), final_mean=float(f.mean()), rel_to_none=float(rel),

@@ -101,7 +101,7 @@ def _weights(model: ex.Model, sizes, stage, stages, micro, passes):
   """All-gathers of fsdp-split weights, the gradient reductions over the batch axes and over `pipeline`."""
   cfg = model.cfg
   key = ("weights", tuple(sizes[a] for a in MESH_AXES), stage, len(stages), cfg.train.compute_dtype, micro, passes,
-         cfg.train.pipeline_schedule, cfg.train.zero, cfg.train.grad_compression)
+         cfg.train.pipeline_schedule, cfg.train.zero, cfg.train.grad_compression, cfg.train.powersgd_rank)
   if key not in model.memo:
     model.memo[key] = _weight_items(model, sizes, stage, stages, micro, passes)
   return model.memo[key]
