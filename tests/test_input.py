@@ -281,7 +281,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
   _unique_docs(tmp_path, "d", 10)
   cases = [(lambda: batches.open_sources(_cfg(tmp_path / "missing")), "missing not found"),
            (lambda: batches.open_sources(_cfg(tmp_path / "d", "model.vocab_size=200")), "manifest.json"),
-           (lambda: prepare.prepare([str(tmp_path / "d")], "byte", tmp_path / "d2", progress=False), "matches no"),
+           (lambda: prepare.prepare([str(tmp_path / "d")], "byte", tmp_path / "d2", progress=False), "is a folder without .arrow or .parquet files"),
            (lambda: prepare.prepare([str(tmp_path / "d.jsonl")], "byte", tmp_path / "d", progress=False),
             "--overwrite")]
   (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": 3}\n')

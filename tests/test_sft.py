@@ -252,7 +252,7 @@ def test_chat_cli_refuses_text_files_with_exit_2(tmp_path, run_env):
   out = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(tmp_path / "notes.txt"),
                         "--tokenizer", "byte", "--out", str(tmp_path / "out"), "--format", "chat"],
                        capture_output=True, text=True, env=run_env)
-  assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--format chat reads .jsonl files" in out.stderr
+  assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--format chat reads .jsonl, .parquet or .arrow files" in out.stderr
   assert not (tmp_path / "out").exists()
   # an error found while tokenising (after the start) is one line on stderr too
   _jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}, {"messages": 3}])

@@ -1,10 +1,12 @@
-"""Text or JSONL files → token shards + manifest.json (the format of jaxseek/input/shards.py).
+"""Text, JSONL, Parquet or Arrow files → token shards + manifest.json (the format of jaxseek/input/shards.py).
 
 python scripts/prepare_data.py --input FILES_OR_GLOBS --tokenizer byte|PATH/tokenizer.json --out DIR [--shards N]
                                [--format text|chat] [--chat-template FILE|default]
 
 A `.jsonl` file (optionally `.gz`) holds one JSON object per line whose `text` field is a document; any other
-file is one document. With --format chat every line is a conversation (input/chat.py), rendered with the chat
+file is one document, except `.parquet` and `.arrow` files (and `datasets` `save_to_disk` folders, read as their
+`*.arrow` files): every row's `text` column is a document, read in record batches (input/tables.py). With
+--format chat every line (row) is a conversation (input/chat.py), rendered with the chat
 template, and a per-token loss mask is stored beside the tokens: only assistant tokens are trained on. Document i
 (in the order of the sorted file list) goes to shard i mod N. Tokenisation runs in worker processes; the output
 does not depend on their number.
@@ -32,15 +34,24 @@ import numpy as np
 from jaxseek.errors import UserError, cli
 from jaxseek.input import chat
 from jaxseek.input import shards as shards_lib
+from jaxseek.input import tables
 from jaxseek.input import tokenize
 
 CHUNK_BYTES = 1 << 22  # text handed to a worker at a time
 
 
 def expand(patterns: Sequence[str]) -> list[Path]:
-  """Files named or matched (recursive `**` globs), each once, sorted; a pattern matching nothing is an error."""
+  """Files named or matched (recursive `**` globs), each once, sorted; a pattern matching nothing is an error. A
+  folder stands for its Parquet and Arrow files (a `datasets` `save_to_disk` folder)."""
   files: set[Path] = set()
   for pattern in patterns:
+    if Path(pattern).is_dir():
+      matched = tables.folder_files(Path(pattern))
+      if not matched:
+        raise UserError(f"--input {pattern} is a folder without .arrow or .parquet files; give the files, or a "
+                        f"folder written by datasets' save_to_disk")
+      files.update(matched)
+      continue
     matched = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
     if not matched:
       raise UserError(f"--input {pattern} matches no file; check the path or quote the glob")
@@ -57,24 +68,35 @@ def read_chunks(files: list[Path], text_field: str, conversation=None) -> Iterat
   A document is a text, or with `conversation` (a ChatRenderer) a rendered conversation (text, spans)."""
   texts, size = [], 0
   for path in files:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-      if conversation is not None:
-        records = _jsonl_conversations(f, path, conversation)
-      elif _is_jsonl(path):
-        records = _jsonl_documents(f, path, text_field)
-      else:
-        data = f.read()
-        records = [(len(data), _decode(data, path, 0))]
-      for record_size, text in records:
-        size += record_size
-        if text:
-          texts.append(text)
-        if size >= CHUNK_BYTES:
-          yield texts, size
-          texts, size = [], 0
+    for record_size, text in _records(path, text_field, conversation):
+      size += record_size
+      if text:
+        texts.append(text)
+      if size >= CHUNK_BYTES:
+        yield texts, size
+        texts, size = [], 0
   if texts or size:
     yield texts, size
+
+
+def _records(path: Path, text_field: str, conversation) -> Iterator[tuple[int, object]]:
+  """(input bytes, document) of one file: a table's rows, a JSONL file's lines, or the whole file."""
+  if tables.is_table(path):
+    if conversation is None:
+      yield from tables.documents(path, text_field)
+    else:
+      for n, (record_size, record) in enumerate(tables.conversations(path), 1):
+        yield record_size, conversation.checked(record, f"{path} row {n}")
+    return
+  opener = gzip.open if path.suffix == ".gz" else open
+  with opener(path, "rb") as f:
+    if conversation is not None:
+      yield from _jsonl_conversations(f, path, conversation)
+    elif _is_jsonl(path):
+      yield from _jsonl_documents(f, path, text_field)
+    else:
+      data = f.read()
+      yield len(data), _decode(data, path, 0)
 
 
 def _decode(data: bytes, path: Path, offset: int) -> str:
@@ -109,6 +131,13 @@ class ChatRenderer:
     conversation = [{**m, "content": _clean(m["content"])} for m in chat.messages(record)]
     return chat.render(self.source, conversation, self.variables)
 
+  def checked(self, record: object, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered record, or one line naming `where` it is and what is wrong with it."""
+    try:
+      return self(record)
+    except chat.ChatError as e:
+      raise UserError(f"{where} {e}") from None
+
 
 def _clean(text: str) -> str:
   """Encodable text: lone surrogates (which JSON escapes can hold) become "?"; NUL, the byte-level EOS, is
@@ -130,10 +159,7 @@ def _jsonl_conversations(f, path: Path, render: ChatRenderer) -> Iterator[tuple[
       record = json.loads(line)
     except ValueError:
       raise UserError(f"{path}:{number} is not valid JSON; each line of a .jsonl file must be one JSON object") from None
-    try:
-      yield len(raw), render(record)
-    except chat.ChatError as e:
-      raise UserError(f"{path}:{number} {e}") from None
+    yield len(raw), render.checked(record, f"{path}:{number}")
 
 
 def _document(raw: str, path: Path, number: int, text_field: str) -> str:
@@ -223,9 +249,11 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int 
   if chat_template is not None and format != "chat":
     raise UserError("--chat-template applies to --format chat only")
   files = expand(inputs)
-  if format == "chat" and not all(map(_is_jsonl, files)):
-    raise UserError(f"--format chat reads .jsonl files of conversations, not {next(p for p in files if not _is_jsonl(p))}"
-                    f"; convert it to JSONL with a 'messages' list (or 'prompt' and 'response') per line")
+  readable = lambda p: _is_jsonl(p) or tables.is_table(p)
+  if format == "chat" and not all(map(readable, files)):
+    raise UserError(f"--format chat reads .jsonl, .parquet or .arrow files of conversations, not "
+                    f"{next(p for p in files if not readable(p))}; convert it to JSONL with a 'messages' list (or "
+                    f"'prompt' and 'response') per line")
   tok = tokenize.resolve(tokenizer, eos)
   renderer = ChatRenderer(tok, chat_template) if format == "chat" else None
   out = Path(out)
@@ -315,12 +343,14 @@ def _stderr_console():
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python scripts/prepare_data.py", description=__doc__.splitlines()[0])
   parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE_OR_GLOB",
-                      help="text or .jsonl files (globs allowed, ** recursive)")
+                      help="text, .jsonl, .parquet or .arrow files, or a datasets save_to_disk folder (globs "
+                           "allowed, ** recursive)")
   parser.add_argument("--tokenizer", required=True, help="byte, or the path of a Hugging Face tokenizer.json")
   parser.add_argument("--out", required=True, help="output folder (data.source=DIR in a config)")
   parser.add_argument("--shards", type=int, default=1, help="number of shards (default 1)")
   parser.add_argument("--workers", type=int, help="tokenising processes (default: 1 for byte, else one per CPU)")
-  parser.add_argument("--text-field", default="text", help="JSONL field holding the document (default text)")
+  parser.add_argument("--text-field", default="text",
+                      help="JSONL field or Parquet / Arrow column holding the document (default text)")
   parser.add_argument("--format", default="text", choices=("text", "chat"),
                       help="text: documents; chat: JSONL conversations ('messages', or 'prompt' and 'response'), "
                            "trained on the assistant tokens only")
