@@ -47,10 +47,18 @@ MIN_REPLICA_SLICE_BYTES = 64 << 20
 
 @functools.lru_cache(maxsize=None)  # once per process
 def _register_array_handler() -> None:
+  """jax.Array's Orbax handler with MIN_REPLICA_SLICE_BYTES. Replacing the default on purpose, so Orbax's
+  warning that a handler is being overridden (one absl WARNING line in every run) is not logged."""
+  from absl import logging as absl_logging
   from orbax.checkpoint._src.metadata import array_metadata_store
-  ocp.type_handlers.register_type_handler(
-      jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
-                                                array_metadata_store=array_metadata_store.Store()), override=True)
+  handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+                                           array_metadata_store=array_metadata_store.Store())
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logging.set_verbosity(verbosity)
 
 
 def to_pure(tree: Any) -> Any:

@@ -161,24 +161,37 @@ class Watchdog:
 
 
 class Aligned:
-  """A jitted program whose first call, with several processes, compiles it (`lower(...).compile()`), then waits
-  at a barrier of the coordination service (no collective) until every process has compiled it, and only then
-  runs it. XLA:CPU creates each Gloo communicator lazily, on a program's first run, and gives the other
-  processes 30 s to join it: processes whose compiles end further apart than that fail (`Gloo context
-  initialization failed: DEADLINE_EXCEEDED`), and the coordination service then aborts the others (SIGABRT).
-  The barrier waits up to `timeout_s` (dist.init_timeout_s). One process: the jitted function unchanged."""
+  """A jitted program compiled on its first call (`lower(...).compile()`), with a console line while it compiles
+  (`compiling the train step … done in 41.2 s`, process 0). With several processes it then waits at a barrier of
+  the coordination service (no collective) until every process has compiled it, and only then runs it. XLA:CPU
+  creates each Gloo communicator lazily, on a program's first run, and gives the other processes 30 s to join
+  it: processes whose compiles end further apart than that fail (`Gloo context initialization failed:
+  DEADLINE_EXCEEDED`), and the coordination service then aborts the others (SIGABRT). The barrier waits up to
+  `timeout_s` (dist.init_timeout_s). Every call has the shapes and shardings of the first."""
 
   def __init__(self, fn, name: str, timeout_s: int):
     self.fn, self.name, self.timeout_s, self.compiled = fn, name, timeout_s, None
 
   def __call__(self, *args):
-    if jax.process_count() == 1:
-      return self.fn(*args)
     if self.compiled is None:
-      import orbax.checkpoint as ocp
+      self.compiled = compile_noted(lambda: self.fn.lower(*args), self.name)
+      if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
 
-      self.compiled = self.fn.lower(*args).compile()
-      # processes given explicitly: the coordination service's barrier, with a timeout (not a collective)
-      ocp.multihost.sync_global_processes(f"jaxseek:compiled:{self.name}", timeout=self.timeout_s,
-                                          processes=set(range(jax.process_count())))
+        # processes given explicitly: the coordination service's barrier, with a timeout (not a collective)
+        ocp.multihost.sync_global_processes(f"jaxseek:compiled:{self.name}", timeout=self.timeout_s,
+                                            processes=set(range(jax.process_count())))
     return self.compiled(*args)
+
+
+def compile_noted(lower, name: str, file=None):
+  """`lower()` (a jitted function's `.lower(...)`) compiled, with `compiling the NAME … done in S s` on process
+  0's console (stdout, or `file`)."""
+  loud = jax.process_index() == 0
+  if loud:
+    print(f"compiling the {name} …", end="", flush=True, file=file)
+  start = time.perf_counter()
+  compiled = lower().compile()
+  if loud:
+    print(f" done in {time.perf_counter() - start:.1f} s", flush=True, file=file)
+  return compiled

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxseek import config as config_lib
+from jaxseek import faults
 from jaxseek.errors import UserError, cli
 from jaxseek.model import decode
 from jaxseek.sharding import rules
@@ -131,11 +132,19 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     log(f"KV cache: {per} bytes per token per layer × {layers} layers × {B} rows × {T0 + max_new_tokens} slots = "
         f"{decode.cache_nbytes(cache)} bytes")
   graphdef, state = nnx.split(model)
-  logits_BV, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask),
-                              cache)
-  out_BN, n = _decode(graphdef, state, cache, logits_BV, jnp.asarray(mask.sum(1), jnp.int32), jax.random.key(seed),
-                      steps=max_new_tokens, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                      eos_id=eos_id)
+  static = dict(steps=max_new_tokens, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                eos_id=eos_id)
+  args = (state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), cache)
+  if log is None:
+    logits_BV, cache = _prefill(graphdef, *args)
+  else:  # the command line: say while each program compiles (on stderr, beside the other notes)
+    logits_BV, cache = faults.compile_noted(lambda: _prefill.lower(graphdef, *args), "prefill", sys.stderr)(*args)
+  args = (state, cache, logits_BV, jnp.asarray(mask.sum(1), jnp.int32), jax.random.key(seed))
+  if log is None:
+    out_BN, n = _decode(graphdef, *args, **static)
+  else:
+    out_BN, n = faults.compile_noted(lambda: _decode.lower(graphdef, *args, **static), "decode loop",
+                                     sys.stderr)(*args)
   rows = np.asarray(out_BN)[:count, :int(n)].tolist()
   return [row[:row.index(eos_id)] if eos_id is not None and eos_id in row else row for row in rows]
 

@@ -1,6 +1,9 @@
 """End to end: the run loop on real text, its run directory and metrics; the optimiser pieces."""
 
 import json
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -26,6 +29,19 @@ def test_demo_model_learns_python_source(tmp_path):
   assert records[-1]["tokens_per_sec"] > 0 and 0 < records[-1]["mfu"] < 1
   assert "balance_loss" in records[-1] and records[-1]["moe_load_max_over_mean"] >= 1.0
   assert config_lib.load(tmp_path / "config.yaml") == cfg
+
+
+def test_demo_console_has_no_warnings_and_says_when_it_compiles(tmp_path, run_env):
+  """The demo's console, captured from a fresh process (stdout and stderr): no third-party WARNING line (Orbax's
+  type-handler notice was one), and a line for the train step's compile with its time."""
+  done = subprocess.run([sys.executable, "-m", "jaxseek.train", "--config", str(CONFIGS / "demo.yaml"),
+                         "train.steps=3", "data.max_bytes=300000", "checkpoint.every=2", f"train.run_dir={tmp_path}"],
+                        env=run_env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout + done.stderr
+  console = done.stdout + done.stderr
+  assert "WARNING" not in console, console
+  assert re.search(r"^compiling the train step … done in \d+\.\d s$", done.stdout, re.M), done.stdout
+  assert done.stdout.index("compiling the train step") < done.stdout.index("step      1/3")
 
 
 def test_bias_update_is_sign_of_load_deficit():
