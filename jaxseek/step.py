@@ -413,8 +413,9 @@ def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callab
 
 def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """The forward and loss of training on `batch`, without gradients: the summed cross entropy and its token
-  count ("ce_sum", "tokens"), and per multi-token-prediction depth ("mtp_sums", "mtp_tokens") where the model
-  has it. Nothing is updated (no optimiser, no correction-bias step)."""
+  count ("ce_sum", "tokens"), and per multi-token-prediction depth ("mtp_sums", "mtp_tokens", and "mtp_correct":
+  the tokens whose top-1 MTP prediction is the target) where the model has it. Nothing is updated (no
+  optimiser, no correction-bias step)."""
   depth = cfg.model.num_nextn_predict_layers
   batch = step_batch(cfg, batch)
   h_BTD, aux = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
@@ -426,6 +427,9 @@ def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Ar
     out["mtp_sums"] = jnp.stack([ce(aux["mtp_hidden"][k - 1], batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])
                                  for k in range(1, depth + 1)])
     out["mtp_tokens"] = jnp.stack([batch[f"mtp_mask_{k}"].sum() for k in range(1, depth + 1)])
+    out["mtp_correct"] = jnp.stack([
+        loss_lib.correct_sum(aux["mtp_hidden"][k - 1], head_DV, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])
+        for k in range(1, depth + 1)])
   return out
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import load_config, run_steps
 
 from jaxseek import faults
 from jaxseek import step as step_lib
@@ -374,3 +374,38 @@ def test_eval_loss_equals_a_numpy_cross_entropy_over_the_same_tokens(data):
   assert count > 0 and got["eval_tokens"] == count
   np.testing.assert_allclose(got["eval_loss"], total / count, rtol=2e-5)
   np.testing.assert_allclose(got["eval_perplexity"], np.exp(total / count), rtol=2e-5)
+
+
+def test_eval_mtp_accuracy_equals_numpy_top1_over_the_same_batch(data):
+  """eval_mtp_accuracy per depth (a model with 2 MTP depths): the share of depth k's tokens whose top-1 token of
+  the MTP head's float64 logits (NumPy argmax) is t_{i+k+1}, over the Evaluator's own batches."""
+  from flax import nnx
+
+  from jaxseek import objective
+  from jaxseek.evaluate import Evaluator
+  from jaxseek.sharding.mesh import make_mesh
+
+  cfg = load_config("tiny-v3", f"data.source={data['train']}", f"eval.source={data['train']}", "eval.tokens=300",
+                    "model.num_nextn_predict_layers=2", "optim.lr=0.01", "train.steps=30")
+  mesh = make_mesh(cfg)
+  trainer = step_lib.make_trainer(cfg, mesh)
+  # 30 steps on the documents evaluated ("a123aaaa…"): the MTP heads learn them, so many top-1 tokens are right
+  state, _ = run_steps(cfg, mesh, trainer, trainer.init(), batches_lib.GlobalBatches(cfg, mesh), 30)
+  evaluator = Evaluator(cfg, mesh, trainer)
+  with jax.set_mesh(mesh):
+    got = evaluator(state)
+  model = nnx.merge(trainer.graphdef, state.params, state.biases)
+  correct, count = np.zeros(2), np.zeros(2)
+  for batch in evaluator.batches:
+    with jax.set_mesh(mesh):
+      b = step_lib.step_batch(cfg, batch)
+      _, aux = model.forward(b["inputs"], b.get("positions"), b.get("segment_ids"), *objective.mtp_arrays(cfg, b),
+                             logits=False)
+      head = np.asarray(model.head(), np.float64)
+    b = {k: np.asarray(v) for k, v in b.items()}
+    for k in (1, 2):
+      top = (np.asarray(aux["mtp_hidden"][k - 1], np.float64) @ head).argmax(-1)
+      correct[k - 1] += ((top == b[f"mtp_targets_{k}"]) * b[f"mtp_mask_{k}"]).sum()
+      count[k - 1] += b[f"mtp_mask_{k}"].sum()
+  assert (count > 0).all() and (correct > 0.1 * count).all(), (correct, count)
+  np.testing.assert_allclose(got["eval_mtp_accuracy"], correct / count, rtol=1e-9)

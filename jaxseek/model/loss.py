@@ -34,6 +34,22 @@ def cross_entropy_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Arra
   return _chunked_ce(to_chunks(h_BTD), head_DV, to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32)))
 
 
+def correct_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  """Σ mask · [the top-1 token of logits h·W is the target] (float32), over chunks of tokens as the loss runs
+  (no [B, T, V] logits in memory); ties go to the lowest token id, as argmax."""
+  B, T, D = h_BTD.shape
+  n = chunk_count(B, T, head_DV.shape[1])
+  to_chunks = lambda a: jnp.moveaxis(a.reshape(B, T // n, n, *a.shape[2:]), 2, 0)  # [n, B, T/n, ...]
+
+  def chunk(total, inputs):
+    h_BcD, targets_Bc, mask_Bc = inputs
+    top_Bc = jnp.argmax(_chunk_logits(h_BcD, head_DV), axis=-1)
+    return total + ((top_Bc == targets_Bc) * mask_Bc).sum(), None
+
+  return jax.lax.scan(chunk, jnp.zeros((), jnp.float32),
+                      (to_chunks(h_BTD), to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32))))[0]
+
+
 def chunk_count(B: int, T: int, V: int) -> int:
   """`chunks` for the active mesh's batch and length shards."""
   shape = jax.sharding.get_abstract_mesh().shape if rules.has_mesh() else {}
