@@ -280,6 +280,9 @@ class MetricsConfig:
   peak_tflops: float | None = None  # per device; None = detect
   tensorboard: bool = False  # also write TensorBoard scalars to <run_dir>/tensorboard
   prometheus_port: int | None = None  # serve Prometheus /metrics on this port (process 0)
+  wandb: bool = False  # also log to Weights & Biases (pip install -e ".[wandb]"; entity, mode from WANDB_* vars)
+  wandb_project: str = "jaxseek"
+  wandb_name: str | None = None  # the W&B run's name (default: the run directory's name)
   profile_steps: tuple[int, ...] = ()  # [first, last]: a jax.profiler trace of those steps in <run_dir>/profile
 
 
@@ -554,6 +557,11 @@ def _check_metrics(cfg: Config) -> None:
   port = cfg.metrics.prometheus_port
   if port is not None and not 0 <= port <= 65535:
     raise UserError(f"config key metrics.prometheus_port: {port} is not a port number (0-65535; 0 picks a free one)")
+  import importlib.util
+
+  if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
+    raise UserError('config key metrics.wandb: true needs the wandb package: pip install -e ".[wandb]" (or set '
+                    'metrics.wandb=false)')
 
 
 def _check_optim(cfg: Config) -> None:

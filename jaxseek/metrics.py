@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+import uuid
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,8 @@ def peak_tflops_per_device(override: float | None) -> tuple[float, str]:
 
 class Writer:
   """The one place per-step metrics go, on process 0: the console, metrics.jsonl, and optionally TensorBoard
-  (metrics.tensorboard) and a Prometheus /metrics endpoint (metrics.prometheus_port)."""
+  (metrics.tensorboard), a Prometheus /metrics endpoint (metrics.prometheus_port) and Weights & Biases
+  (metrics.wandb)."""
 
   def __init__(self, run_dir: Path, cfg: Config):
     self.enabled = jax.process_index() == 0
@@ -93,6 +95,8 @@ class Writer:
     self.sinks += [Console(cfg.train.steps), Jsonl(run_dir / "metrics.jsonl")]
     if cfg.metrics.tensorboard:
       self.sinks.append(TensorBoard(run_dir / "tensorboard"))
+    if cfg.metrics.wandb:
+      self.sinks.append(WandB(Path(run_dir), cfg))
 
   def write(self, step: int, values: dict[str, Any]) -> None:
     record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
@@ -235,6 +239,38 @@ class TensorBoard:
 
   def close(self) -> None:
     self.writer.close()
+
+
+class WandB:
+  """Weights & Biases (metrics.wandb): every number of every record (per-layer lists as <name>/<layer>) at its
+  step, and the resolved config. The run's id is kept in <run_dir>/wandb_id, so a resumed run continues the same
+  W&B run; its files go under <run_dir>/wandb. Entity, mode (WANDB_MODE=offline) and key come from W&B's own
+  environment variables."""
+
+  def __init__(self, run_dir: Path, cfg: Config):
+    import wandb
+
+    from jaxseek import config as config_lib
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id + "\n")
+    self.run = wandb.init(project=cfg.metrics.wandb_project, name=cfg.metrics.wandb_name or run_dir.absolute().name,
+                          id=run_id, resume="allow", dir=str(run_dir), config=config_lib.to_dict(cfg))
+
+  def write(self, step: int, record: dict) -> None:
+    data = {}
+    for key, value in record.items():
+      if key == "step" or value is None:
+        continue
+      if isinstance(value, list):
+        data.update({f"{key}/{i}": v for i, v in enumerate(value) if isinstance(v, (int, float))})
+      elif isinstance(value, (int, float)):
+        data[key] = value
+    self.run.log(data, step=step)
+
+  def close(self) -> None:
+    self.run.finish()
 
 
 # metrics.jsonl key → Prometheus gauge name (the Grafana dashboard in docs/ reads these)
