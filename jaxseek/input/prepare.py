@@ -49,7 +49,8 @@ def expand(patterns: Sequence[str]) -> list[Path]:
       matched = tables.folder_files(Path(pattern))
       if not matched:
         raise UserError(f"--input {pattern} is a folder without .arrow or .parquet files; give the files, or a "
-                        f"folder written by datasets' save_to_disk")
+                        f"folder written by datasets' save_to_disk (of a DatasetDict: its split, e.g. "
+                        f"{Path(pattern) / 'train'})")
       files.update(matched)
       continue
     matched = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
