@@ -28,18 +28,14 @@ def cross_entropy_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Arra
     logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
     logits_BTV = rules.shard(logits_BTV, ("batch", "length", "vocab"))
     return ((jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit(logits_BTV, targets_BT)) * mask_BT).sum()
-  B, T, D = h_BTD.shape
-  n = chunk_count(B, T, head_DV.shape[1])
-  to_chunks = lambda a: jnp.moveaxis(a.reshape(B, T // n, n, *a.shape[2:]), 2, 0)  # [n, B, T/n, ...]
+  to_chunks = _splitter(h_BTD, head_DV)
   return _chunked_ce(to_chunks(h_BTD), head_DV, to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32)))
 
 
 def correct_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
   """Σ mask · [the top-1 token of logits h·W is the target] (float32), over chunks of tokens as the loss runs
   (no [B, T, V] logits in memory); ties go to the lowest token id, as argmax."""
-  B, T, D = h_BTD.shape
-  n = chunk_count(B, T, head_DV.shape[1])
-  to_chunks = lambda a: jnp.moveaxis(a.reshape(B, T // n, n, *a.shape[2:]), 2, 0)  # [n, B, T/n, ...]
+  to_chunks = _splitter(h_BTD, head_DV)
 
   def chunk(total, inputs):
     h_BcD, targets_Bc, mask_Bc = inputs
@@ -48,6 +44,13 @@ def correct_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, mas
 
   return jax.lax.scan(chunk, jnp.zeros((), jnp.float32),
                       (to_chunks(h_BTD), to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32))))[0]
+
+
+def _splitter(h_BTD: jax.Array, head_DV: jax.Array):
+  """[B, T, ...] → [n, B, T/n, ...]: the `chunk_count` chunks of tokens the head's logits are computed in."""
+  B, T, _ = h_BTD.shape
+  n = chunk_count(B, T, head_DV.shape[1])
+  return lambda a: jnp.moveaxis(a.reshape(B, T // n, n, *a.shape[2:]), 2, 0)
 
 
 def chunk_count(B: int, T: int, V: int) -> int:

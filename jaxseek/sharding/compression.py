@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "data"
@@ -120,7 +121,7 @@ def _unpack(wire: jax.Array, method: str) -> jax.Array:
 
 def _two_phase(v_S: jax.Array, spec: P, method: str) -> tuple[jax.Array, jax.Array]:
   shards = v_S.shape[0]
-  local = math.prod(_shard_shape(v_S.shape, spec)[1:])
+  local = math.prod(NamedSharding(jax.sharding.get_abstract_mesh(), spec).shard_shape(v_S.shape)[1:])
   if not two_phase_leaf(local, shards, method):
     return _plain(v_S, spec)[:2]
 
@@ -151,16 +152,6 @@ def _plain(v_S: jax.Array, spec: P) -> tuple[jax.Array, jax.Array, None]:
   summed = jax.shard_map(lambda a: jax.lax.psum(a[0], AXIS), in_specs=spec, out_specs=P(*spec[1:]),
                          check_vma=False)(v_S)
   return summed, jnp.zeros_like(v_S), None
-
-
-def _shard_shape(shape: tuple[int, ...], spec: P) -> tuple[int, ...]:
-  sizes = dict(jax.sharding.get_abstract_mesh().shape)
-  out = []
-  for i, d in enumerate(shape):
-    entry = spec[i] if i < len(spec) else None
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    out.append(d // math.prod(sizes[a] for a in names))
-  return tuple(out)
 
 
 # --- PowerSGD ------------------------------------------------------------------------------------------------
