@@ -56,14 +56,16 @@ def gpu_attention(q_BTNH, k_BSGH, v_BSGP, segment_ids_BT, scale, key_segment_ids
       q, k, v, seg[0] if seg else None, scale, seg[1] if len(seg) > 1 else None, query_offset, implementation)
   segments = () if segment_ids_BT is None else (segment_ids_BT,) + (
       () if key_segment_ids_BS is None else (key_segment_ids_BS,))
-  if not rules.has_mesh() or rules.reserved_axes():
+  if not rules.has_mesh():
     return kernel(q_BTNH, k_BSGH, v_BSGP, *segments)
   spec = rules.activation_spec  # the axes an enclosing shard_map handles (a pipeline stage's) left out
   kv = ("batch", None, "heads" if k_BSGH.shape[2] == q_BTNH.shape[2] else "kv_heads", None)
   in_specs = (spec(("batch", None, "heads", None)), spec(kv), spec(kv)) + (spec(("batch", None)),) * len(segments)
   mesh = jax.sharding.get_abstract_mesh()
   # inside a shard_map manual over some axes only (a pipeline stage), the kernel is mapped over the rest: left
-  # to GSPMD, a custom call it cannot split would gather the batch and heads onto every device
+  # to GSPMD, a custom call it cannot split would gather the batch and heads onto every device. Under the vmap
+  # over data shards of train.grad_compression the specs leave `data` out and the vmap adds it to the mapped
+  # dimension (spmd_axis_name), so each device runs the kernel on its own rows there too
   auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
   if not auto:
     return kernel(q_BTNH, k_BSGH, v_BSGP, *segments)
