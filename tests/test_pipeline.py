@@ -398,6 +398,38 @@ def test_tables_that_keep_the_forward_residuals_run_the_unit_orders():
   recomputing = schedules.table("zbv", 4, 16, 2)
   assert recomputing.residual_slots == 0 and recomputing.bubble() > 0.09  # packed for b costing two
 
+@pytest.mark.parametrize("recompute", ["true", "false"])
+@pytest.mark.parametrize("schedule", [DUALPIPEV, ZBV, (ZB_H1,)], ids=["dualpipev", "zbv", "zb_h1"])
+def test_the_summary_prints_the_bubble_its_table_runs(schedule, recompute):
+  """Every bubble the start-up line prints is counted on a table: at M = 4 < 2S = 8 (and M = 2 < S) DualPipeV's W
+  cannot fill its warm-up and drain, so its unit order idles 20% of the time where (S-1)/(6M+S-1) says 11.1%;
+  the closed form is named only where a table meets it (M = 8 here)."""
+  for M in (2, 4, 8):
+    cfg = load_config("tiny-dense", "mesh.pipeline=4", "mesh.data=2", "model.num_hidden_layers=8",
+                      f"train.microbatches={M}", f"train.pipeline_recompute={recompute}", *schedule)
+    name, R = cfg.train.pipeline_schedule, cfg.train.pipeline_repeats
+    run_table = schedules.table(name, 4, M, R, recompute=recompute == "true")
+    unit_table = schedules.table(name, 4, M, R, recompute=False)  # F = b = W = 1: idle ticks over all ticks
+    idle = 1 - (unit_table.f_micro >= 0).sum(0).max() * 3 / unit_table.ticks
+    assert unit_table.bubble() == pytest.approx(idle)
+    line = pipeline.summary(cfg, 4).split(" | ")[0]
+    printed = {float(x) for x in re.findall(r"(\d+\.\d)%", line)}
+    assert printed == {round(100 * run_table.bubble(), 1), round(100 * idle, 1)}, line
+    closed = pipeline.zb_bubble(name, 4, M)
+    assert (pipeline.ZB_FORMULA[name] in line) == (closed == pytest.approx(idle)), line
+
+
+def test_a_table_is_refused_for_a_schedule_without_one():
+  """schedules.table knows the table schedules by name; any other name (GPipe, circular, a typo) raises rather
+  than run 1F1B."""
+  assert schedules.table("interleaved_1f1b", 2, 4, 2).repeats == 2
+  for name in ("gpipe", "circular", "dualpipe", ""):
+    with pytest.raises(ValueError, match=f"no table for schedule '{name}'; the table schedules are 1f1b"):
+      schedules.table(name, 2, 4, 1)
+  with pytest.raises(ValueError, match="no zero-bubble order named '1f1b'"):
+    schedules.zero_bubble_order("1f1b", 2, 4)
+
+
 def test_the_rest_of_the_model_accumulates_its_gradients_where_its_part_runs():
   """Under 1F1B the first part (embedding, layers before the stack) runs on stage 0 and the last (head, MTP) on
   stage S − 1: the leaves only one part reads share one float32 buffer as long as the larger part, each part

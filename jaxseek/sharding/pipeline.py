@@ -29,6 +29,7 @@ initialisation; checkpoints record the layout they were written with and are re-
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable
 
 import jax
@@ -226,8 +227,16 @@ ZB_FORMULA = {"zb_h1": "(S-1)/(3M+S-1)", "zbv": "(S-1)/(6M+S-1)", "dualpipev": "
 
 def zb_bubble(name: str, S: int, M: int) -> float:
   """The bubble of a zero-bubble schedule with F = b = W = 1 per chunk (Qi et al.): ZB-H1's, and ZB-V's for both
-  orders on the V (DualPipeV's W fill its warm-up and drain as ZB-V's do, its F&B pairs run one op a tick)."""
+  orders on the V (DualPipeV's W fill its warm-up and drain as ZB-V's do, its F&B pairs run one op a tick).
+  It holds from M = S on (DualPipeV: M = 2S); with fewer microbatches the W cannot fill the bubbles."""
   return (S - 1) / ((3 if name == "zb_h1" else 6) * M + S - 1)
+
+
+def unit_bubble(name: str, S: int, M: int, stashes: int = 0) -> tuple[float, str]:
+  """The bubble at F = b = W = 1 counted on the unit order's table, and the closed form (ZB_FORMULA) where the
+  table meets it, else ""."""
+  unit = schedules.zero_bubble_order(name, S, M, packed=False, stashes=stashes).bubble()
+  return unit, ZB_FORMULA[name] if math.isclose(unit, zb_bubble(name, S, M), abs_tol=1e-9) else ""
 
 
 TABLE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -296,10 +305,12 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
       keeps = (f"{table.residual_slots} chunks' forward residuals + {table.slots} stage inputs + "
                f"{table.grad_slots} cotangents{stash} kept per stage (no recomputation); head and loss on the "
                f"{'first' if v else 'last'} stage")
-      formula = f"of the table run (F=b=W=1; {ZB_FORMULA[name]} = {100 * zb_bubble(name, stages, M):.1f}%)"
+      closed = unit_bubble(name, stages, M, cfg.train.pipeline_stashes)[1]
+      formula = f"of the table run (F=b=W=1{'; ' + closed if closed else ''})"
     elif table.split:
-      formula = (f"of the table run (F=1, b=2 as it recomputes the forward, W=1; at F=b=W=1 {ZB_FORMULA[name]} = "
-                 f"{100 * zb_bubble(name, stages, M):.1f}%)")
+      unit, closed = unit_bubble(name, stages, M, cfg.train.pipeline_stashes)
+      formula = (f"of the table run (F=1, b=2 as it recomputes the forward, W=1; at F=b=W=1 "
+                 f"{closed + ' = ' if closed else ''}{100 * unit:.1f}%)")
     bubble = table.bubble() if table.split else 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 \
         else table.bubble()
   else:

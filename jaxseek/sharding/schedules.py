@@ -108,10 +108,14 @@ def for_config(cfg, S: int, R: int) -> Table:
 def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool = True) -> Table:
   """The table of schedule `name` (a train.pipeline_schedule value) for S stages, M microbatches, R rounds;
   `recompute` (split tables): b recomputes the chunk's forward (orders packed for b costing two), else F keeps
-  the forward's residuals for b (the unit orders, F = b = W = 1)."""
+  the forward's residuals for b (the unit orders, F = b = W = 1). Any other name (gpipe, circular: no table)
+  raises ValueError."""
   if name in SPLIT:
     return from_order(zero_bubble_order(name, S, M, packed=recompute, stashes=stashes), kept=not recompute)
-  return one_f_one_b(S, M, R)
+  if name in ("1f1b", "interleaved_1f1b"):
+    return one_f_one_b(S, M, R)
+  raise ValueError(f"no table for schedule {name!r}; the table schedules are 1f1b, interleaved_1f1b, "
+                   f"{', '.join(SPLIT)}")
 
 
 def zero_bubble_order(name: str, S: int, M: int, packed: bool = True, stashes: int = 0) -> zero_bubble.Order:
@@ -125,6 +129,8 @@ def zero_bubble_order(name: str, S: int, M: int, packed: bool = True, stashes: i
     return zero_bubble.dualpipev_zb(S, M, packed=packed)
   if name == "zbv":
     return zero_bubble.zbv(S, M, packed=packed, stashes=stashes or S)
+  if name != "zb_h1":
+    raise ValueError(f"no zero-bubble order named {name!r}; the split schedules are {', '.join(SPLIT)}")
   if stashes:
     return zero_bubble.zb_h1(S, M, packed=packed, stashes=stashes)
   cost = zero_bubble.RECOMPUTE if packed else zero_bubble.COST
