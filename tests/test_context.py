@@ -1,6 +1,7 @@
 """Context parallelism over the `context` axis (queries split on length) against the single-device run, and
 the MLA latent as what crosses the axis."""
 
+import collections
 import re
 
 import jax
@@ -37,62 +38,77 @@ def test_context_parallel_training_equals_single_device(name, context, extra):
 
 def test_mla_gathers_the_latent_not_the_heads():
   """With queries split over context, the forward's context all-gathers carry the compressed key/value latent
-  [.., T, C] and the shared rope key [.., T, 1, R]: C + R numbers per token, not N heads × (H + R + P). The
-  backward reduce-scatters their gradients at the same size; no expanded key or value gradient over the whole
-  sequence is all-reduced."""
+  [.., T, C] and the shared rope key [.., T, 1, R] (and the documents' segment ids [.., T] for the mask): C + R
+  numbers per token, not N heads × (H + R + P). The backward reduce-scatters their gradients at the same size;
+  no expanded key or value gradient over the whole sequence is all-reduced. Every collective of the compiled
+  step over context is counted."""
   cfg = load_config("tiny-v3", "mesh.context=4", "mesh.data=2", "train.seq_len=64")
-  mesh = make_mesh(cfg)
-  trainer = step_lib.make_trainer(cfg, mesh)
-  with jax.set_mesh(mesh):
-    text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
-                                                          next(global_batches(cfg, mesh))).compile().as_text()
-  sizes = tuple(mesh.shape[a] for a in MESH_AXES)
-  found = {"all-gather": set(), "reduce-scatter": set(), "all-reduce": set()}
-  for line in embedding_backward_left_out(text).splitlines():
-    match = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
-    if match and explore_compile.collective_axes(line, sizes) == ("context",):
-      found[match.group(2)] |= {tuple(int(d) for d in dims.split(","))
-                                for dims in re.findall(r"f32\[([\d,]+)\]", match.group(1))}
+  found, embedding = {}, set()
+  for kind, axes, arrays, op in compiled_collectives(cfg)[0]:
+    if axes == ("context",):
+      found.setdefault(kind, set()).update(arrays)
+      embedding |= arrays if EMBEDDING_BACKWARD in op else set()
   m = cfg.model
-  assert found["all-gather"] == {(8, 64, m.kv_lora_rank), (8, 64, 1, m.qk_rope_head_dim)}, found
-  assert found["reduce-scatter"] == {(8, 16, m.kv_lora_rank), (8, 16, 1, m.qk_rope_head_dim)}, found
-  assert not [s for s in found["all-reduce"] if 64 in s], found  # weight gradients only, no [.., 64, ..]
+  # the embedding's backward (a scatter-add of the input gradient into the table) gathers the token ids
+  # [.., T, 1] and the input gradient [.., T, D] over context rather than all-reduce the [V, D] table gradient
+  # (XLA's choice, the cheaper one for any real vocabulary): no key or value
+  assert embedding == {("s32", (8, 64, 1)), ("f32", (8, 64, m.hidden_size))}, embedding
+  assert found["all-gather"] == {("f32", (8, 64, m.kv_lora_rank)), ("f32", (8, 64, 1, m.qk_rope_head_dim)),
+                                 ("s32", (8, 64)), *embedding}, found
+  assert found["reduce-scatter"] == {("f32", (8, 16, m.kv_lora_rank)), ("f32", (8, 16, 1, m.qk_rope_head_dim))}, found
+  assert not [a for a in found["all-reduce"] if 64 in a[1]], found  # weight gradients only, no [.., 64, ..]
+  assert set(found) == {"all-gather", "reduce-scatter", "all-reduce"}, found  # nothing else crosses context
 
 
-def embedding_backward_left_out(text):
-  """The compiled module without the embedding's backward (a scatter-add of the input gradient into the table):
-  XLA may gather that gradient [b, T, D] over context once per microbatch rather than all-reduce the [V, D]
-  table gradient, the cheaper choice for any real vocabulary; it carries no key or value."""
-  return "\n".join(line for line in text.splitlines() if "_take)))/scatter-add" not in line)
+EMBEDDING_BACKWARD = "transpose(jvp(jit(_take)))/scatter-add"  # the op_name of the embedding's backward
 
 
-def compiled_collectives(name, *overrides):
-  """{collective: {mesh axes: count}} of the compiled step, and XLA's temporary bytes per device."""
-  cfg = load_config(name, *overrides)
+def collectives(text, sizes):
+  """(kind, mesh axes, result arrays as {(dtype, dims)}, op_name) of every collective op in a compiled module:
+  each line the collective regex (explore_compile.COLLECTIVE) matches, none left out."""
+  found = []
+  for line in text.splitlines():
+    match = explore_compile.COLLECTIVE.search(line)
+    if match:
+      result = line[:match.start()].split(" = ", 1)[-1]  # the result type: one array or a tuple of them
+      arrays = {(dtype, tuple(int(d) for d in dims.split(",") if d))
+                for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result)}
+      op = re.search(r'op_name="([^"]*)"', line)
+      found.append((match.group(1), explore_compile.collective_axes(line, sizes), arrays, op.group(1) if op else ""))
+  return found
+
+
+def compiled_collectives(cfg):
+  """`collectives` of cfg's compiled step, and XLA's temporary bytes per device."""
   mesh = make_mesh(cfg)
   trainer = step_lib.make_trainer(cfg, mesh)
   with jax.set_mesh(mesh):
     out = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state,
                                                          next(global_batches(cfg, mesh))).compile()
-  counts = explore_compile.count_collectives(embedding_backward_left_out(out.as_text()),
-                                             tuple(mesh.shape[a] for a in MESH_AXES))
-  return counts, out.memory_analysis().temp_size_in_bytes
+  return collectives(out.as_text(), tuple(mesh.shape[a] for a in MESH_AXES)), out.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("name", ["tiny-v3", "tiny-dense"])
 def test_ring_passes_chunks_and_holds_less(name):
   """model.context_attention=ring: the key/value chunks (MLA: the latent and rope key; grouped-query: the keys
-  and values) travel round the context axis by collective-permute (nothing is all-gathered over it), and the
-  compiled step needs less temporary memory than the gather."""
+  and values) travel round the context axis by collective-permute (nothing of attention is all-gathered over
+  it), and the compiled step needs less temporary memory than the gather. Every collective over context is
+  counted: besides attention's, the embedding's backward gathers the token ids and the input gradient."""
   def compiled(mode):
-    counts, temp = compiled_collectives(name, "mesh.context=4", "mesh.data=2", "train.seq_len=256",
-                                        "model.max_position_embeddings=256",
-                                        f"model.context_attention={mode}")
-    return {k: v.get("context", 0) for k, v in counts.items()}, temp
+    cfg = load_config(name, "mesh.context=4", "mesh.data=2", "train.seq_len=256", "model.max_position_embeddings=256",
+                      f"model.context_attention={mode}")
+    ops, temp = compiled_collectives(cfg)
+    over_context = [(kind, arrays, EMBEDDING_BACKWARD in op) for kind, axes, arrays, op in ops if axes == ("context",)]
+    return over_context, temp, cfg.model.hidden_size
 
-  (gather, gather_temp), (ring, ring_temp) = compiled("gather"), compiled("ring")
-  assert gather.get("all-gather", 0) > 0 and gather.get("collective-permute", 0) == 0, gather
-  assert ring.get("all-gather", 0) == 0 and ring.get("collective-permute", 0) > 0, ring
+  (gather, gather_temp, D), (ring, ring_temp, _) = compiled("gather"), compiled("ring")
+  kinds = lambda ops, embedding: collections.Counter(kind for kind, _, e in ops if e == embedding)
+  for ops in (gather, ring):  # as in test_mla_gathers_the_latent_not_the_heads: no key or value
+    assert kinds(ops, True) == {"all-gather": 2}, ops
+    assert set().union(*(a for _, a, e in ops if e)) == {("s32", (8, 256, 1)), ("f32", (8, 256, D))}, ops
+  attention_gather, attention_ring = kinds(gather, False), kinds(ring, False)
+  assert attention_gather["all-gather"] > 0 and attention_gather["collective-permute"] == 0, attention_gather
+  assert attention_ring["all-gather"] == 0 and attention_ring["collective-permute"] > 0, attention_ring
   assert ring_temp < 0.6 * gather_temp, (ring_temp, gather_temp)
 
 
@@ -138,8 +154,9 @@ def test_sequence_parallel_gathers_the_norm_outputs_over_tensor():
   all-reduced); with it the residual stream is split there, so the norm outputs are all-gathered before the
   projections, and the compiled step's temporaries shrink (the residual stream is stored split)."""
   def compiled(sp):
-    counts, temp = compiled_collectives("tiny-dense", "mesh.data=4", "mesh.tensor=2", f"mesh.sequence_parallel={sp}")
-    return counts.get("all-gather", {}).get("tensor", 0), temp
+    ops, temp = compiled_collectives(load_config("tiny-dense", "mesh.data=4", "mesh.tensor=2",
+                                                 f"mesh.sequence_parallel={sp}"))
+    return sum(kind == "all-gather" and axes == ("tensor",) for kind, axes, _, _ in ops), temp
 
   (gathers_off, temp_off), (gathers_on, temp_on) = compiled("false"), compiled("true")
   assert gathers_off == 0 and gathers_on > 0, (gathers_off, gathers_on)
