@@ -370,6 +370,33 @@ def test_json_schema_and_user_errors(tmp_path, capsys):
     assert err.count("\n") == 1 and words in err and "Traceback" not in err, err
 
 
+EXPLORE_BAD_FLAGS = [
+    (["--device-memory", "80..GiB"], "--device-memory '80..GiB' is neither a known device"),
+    (["--device-memory", "1.2.3"], "--device-memory '1.2.3' is neither a known device"),
+    (["--device-memory", "0"], "--device-memory '0' is not a device's memory; give a size from 1 byte"),
+    (["--device-memory", "0GiB"], "--device-memory '0GiB' is not a device's memory"),
+    (["--device-memory", "1e400"], "--device-memory '1e400' is not a device's memory"),
+    (["--usable-fraction", "0"], "--usable-fraction 0 must be in (0, 1]"),
+    (["--usable-fraction", "1.5"], "--usable-fraction 1.5 must be in (0, 1]"),
+    (["--peak-tflops", "-5"], "--peak-tflops -5 must be a positive number"),
+    (["--peak-tflops", "0"], "--peak-tflops 0 must be a positive number"),
+    (["--intra-node-gbps", "-1"], "--intra-node-gbps -1 must be a positive number"),
+    (["--inter-node-gbps", "0"], "--inter-node-gbps 0 must be a positive number"),
+    (["--top", "0", "--suggest"], "--top 0 must be ≥ 1"),
+]
+
+
+@pytest.mark.parametrize("args,words", EXPLORE_BAD_FLAGS, ids=[" ".join(a[:2]) for a, _ in EXPLORE_BAD_FLAGS])
+def test_bad_hardware_flags_are_one_line(args, words, tmp_path, capsys):
+  """A malformed or empty size, a share outside (0, 1], a rate ≤ 0: one line, exit 2, nothing written."""
+  out = tmp_path / "plan.json"
+  assert explore_cli.main(["--config", str(CONFIGS / "tiny-v2.yaml"), "--devices", "8", "--json", str(out),
+                           *args]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(f"error: {words}") and "Traceback" not in err, err
+  assert not out.exists()
+
+
 def test_deepseek_v3_published_layout_and_batch():
   """DeepSeek-V3's training layout (16 stages × 64-way expert × 2 data = 2,048 GPUs) with its batch of 15,360
   sequences, which 2,048 does not divide: the explorer plans it with the parts outside the schedule split over

@@ -129,9 +129,16 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   if args.plot:
     report.require_matplotlib()
-  for flag, count in (("--devices", args.devices), ("--devices-per-node", args.devices_per_node)):
+  for flag, count in (("--devices", args.devices), ("--devices-per-node", args.devices_per_node),
+                      ("--top", args.top)):
     if count is not None and count < 1:
       raise UserError(f"{flag} {count} must be ≥ 1")
+  for flag, rate in (("--peak-tflops", args.peak_tflops), ("--intra-node-gbps", args.intra_node_gbps),
+                     ("--inter-node-gbps", args.inter_node_gbps)):
+    if rate is not None and not 0 < rate < math.inf:
+      raise UserError(f"{flag} {rate:g} must be a positive number")
+  if not 0 < args.usable_fraction <= 1:
+    raise UserError(f"--usable-fraction {args.usable_fraction:g} must be in (0, 1], e.g. 0.9")
   for flag, path in (("--json", args.json), ("--plot", args.plot)):
     if path:
       writable_file(path, flag)

@@ -37,15 +37,16 @@ GPUS = {"h100-80g": (81559, "h100"), "h800-80g": (81559, "h800"), "h200-141g": (
 CAPABILITY = {"h100": 9.0, "h800": 9.0, "h200": 9.0, "gh200": 9.0, "a100": 8.0, "a800": 8.0, "l40s": 8.9,
               "b200": 10.0}
 DEFAULT_GPU = "h100-80g"
-_SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*(gib|gb|mib|mb|tib|tb|b)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e\+?[0-9]+)?)\s*(gib|gb|mib|mb|tib|tb|b)?\s*$",
+                   re.IGNORECASE)
 _UNITS = {"b": 1, "mb": 1e6, "gb": 1e9, "tb": 1e12, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def hardware(device_memory: str | None = None, *, peak_tflops: float | None = None,
              intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
              devices_per_node: int = 8, usable_fraction: float = 0.9) -> Hardware:
-  """A named GPU ("h100-80g"), a size ("80GiB", "75GB", "7.5e10"), or None: the local accelerator if there is
-  one, else h100-80g."""
+  """A named GPU ("h100-80g"), a size ("80GiB", "75GB", "7.5e10B"; a bare number is GB), or None: the local
+  accelerator if there is one, else h100-80g."""
   name, memory, peak, cc = _device(device_memory)
   links = {k: v for k, v in (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps)) if v}
   return Hardware(name, memory, peak_tflops or peak, devices_per_node=devices_per_node,
@@ -66,9 +67,12 @@ def _device(device_memory: str | None) -> tuple[str, int, float, float]:
   if not match:
     raise UserError(f"--device-memory {device_memory!r} is neither a known device ({', '.join(GPUS)}) nor a size "
                     f"like 80GiB or 75GB")
-  nbytes = int(float(match.group(1)) * _UNITS[(match.group(2) or "gb").lower()])
+  nbytes = float(match.group(1)) * _UNITS[(match.group(2) or "gb").lower()]
+  if not 1 <= nbytes <= 2**50:
+    raise UserError(f"--device-memory {device_memory!r} is not a device's memory; give a size from 1 byte to 1 PiB "
+                    f"like 80GiB, or a device ({', '.join(GPUS)})")
   default = GPUS[DEFAULT_GPU][1]
-  return f"{device_memory.strip()} device", nbytes, PEAK_TFLOPS[default], CAPABILITY[default]
+  return f"{device_memory.strip()} device", int(nbytes), PEAK_TFLOPS[default], CAPABILITY[default]
 
 
 def _detect() -> tuple[str, int, float, float] | None:
