@@ -161,27 +161,40 @@ class Watchdog:
 
 
 class Aligned:
-  """A jitted program compiled on its first call (`lower(...).compile()`), with a console line while it compiles
-  (`compiling the train step … done in 41.2 s`, process 0). With several processes it then waits at a barrier of
-  the coordination service (no collective) until every process has compiled it, and only then runs it. XLA:CPU
-  creates each Gloo communicator lazily, on a program's first run, and gives the other processes 30 s to join
-  it: processes whose compiles end further apart than that fail (`Gloo context initialization failed:
-  DEADLINE_EXCEEDED`), and the coordination service then aborts the others (SIGABRT). The barrier waits up to
-  `timeout_s` (dist.init_timeout_s). Every call has the shapes and shardings of the first."""
+  """A jitted program compiled on its first call with given argument shapes, dtypes and shardings
+  (`lower(...).compile()`), with a console line while it compiles (`compiling the train step … done in 41.2 s`,
+  process 0); a call with another signature (another batch shape) compiles again, and each compiled program is
+  kept for its signature. With several processes it then waits at a barrier of the coordination service (no
+  collective) until every process has compiled it, and only then runs it. XLA:CPU creates each Gloo communicator
+  lazily, on a program's first run, and gives the other processes 30 s to join it: processes whose compiles end
+  further apart than that fail (`Gloo context initialization failed: DEADLINE_EXCEEDED`), and the coordination
+  service then aborts the others (SIGABRT). The barrier waits up to `timeout_s` (dist.init_timeout_s)."""
 
   def __init__(self, fn, name: str, timeout_s: int):
-    self.fn, self.name, self.timeout_s, self.compiled = fn, name, timeout_s, None
+    self.fn, self.name, self.timeout_s = fn, name, timeout_s
+    self.compiled: dict = {}  # signature → compiled program
 
   def __call__(self, *args):
-    if self.compiled is None:
-      self.compiled = compile_noted(lambda: self.fn.lower(*args), self.name)
+    key = signature(args)
+    compiled = self.compiled.get(key)
+    if compiled is None:
+      compiled = self.compiled[key] = compile_noted(lambda: self.fn.lower(*args), self.name)
       if jax.process_count() > 1:
         import orbax.checkpoint as ocp
 
-        # processes given explicitly: the coordination service's barrier, with a timeout (not a collective)
-        ocp.multihost.sync_global_processes(f"jaxseek:compiled:{self.name}", timeout=self.timeout_s,
-                                            processes=set(range(jax.process_count())))
-    return self.compiled(*args)
+        # processes given explicitly: the coordination service's barrier, with a timeout (not a collective); every
+        # process compiles the same signatures in the same order, so the n-th barrier names the same program
+        ocp.multihost.sync_global_processes(f"jaxseek:compiled:{self.name}:{len(self.compiled)}",
+                                            timeout=self.timeout_s, processes=set(range(jax.process_count())))
+    return compiled(*args)
+
+
+def signature(args) -> tuple:
+  """What a compiled program is specialised to: the arguments' tree, and each leaf's shape, dtype and sharding
+  (a Python scalar: its type)."""
+  leaves, tree = jax.tree.flatten(args)
+  return tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__)),
+                      getattr(x, "sharding", None)) for x in leaves)
 
 
 def compile_noted(lower, name: str, file=None):

@@ -206,6 +206,17 @@ def test_watchdog_and_signals_with_their_real_threads(case, tmp_path, run_env):
     assert "SIGINT: saving at the end of this step" in err and "SIGINT again: stopping now" in err
 
 
+def test_aligned_compiles_again_for_another_batch_shape(capsys):
+  """faults.Aligned (the train and eval steps): a call with another batch shape compiles a second program and
+  runs it; a call with a shape seen before reuses its program (one compile line per shape)."""
+  step = faults.Aligned(jax.jit(lambda w, x: x @ w), "toy step", 10)
+  w = jnp.arange(6.0).reshape(3, 2)
+  got = [np.asarray(step(w, jnp.ones((b, 3)) * b)) for b in (2, 5, 2)]
+  for b, y in zip((2, 5, 2), got):
+    np.testing.assert_array_equal(y, np.ones((b, 3)) * b @ np.asarray(w))
+  assert capsys.readouterr().out.count("compiling the toy step") == 2
+
+
 def _token_folder(folder, vocab, count=40, seed=0):
   """A prepared folder of `count` random documents (8-30 tokens below `vocab`), written with the shard writer."""
   rng = np.random.default_rng(seed)
