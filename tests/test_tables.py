@@ -108,3 +108,68 @@ def test_chat_rows_from_parquet_match_jsonl(tmp_path):
   want = prepare.prepare([str(tmp_path / "c.jsonl")], "byte", tmp_path / "a", format="chat", progress=False)
   got = prepare.prepare([str(tmp_path / "c.parquet")], "byte", tmp_path / "b", format="chat", progress=False)
   assert shard_digests(got) == shard_digests(want) and got["chat"]["trained_tokens"] == want["chat"]["trained_tokens"]
+
+
+def _saved(folder, table, batch_rows):
+  """A save_to_disk-style folder: `table` in one Arrow IPC stream file of record batches of `batch_rows` rows."""
+  folder.mkdir()
+  (folder / "dataset_info.json").write_text("{}")
+  with ipc.new_stream(folder / "data-00000-of-00001.arrow", table.schema) as writer:
+    for batch in table.to_batches(max_chunksize=batch_rows):
+      writer.write_batch(batch)
+  return folder
+
+
+@pytest.mark.parametrize("format", ["text", "chat"])
+def test_a_save_to_disk_shard_is_read_once(tmp_path, monkeypatch, format):
+  """Preparing a save_to_disk folder (one Arrow stream file of 5 record batches) opens the file's stream once and
+  reads each record batch once, for text and for chat rows."""
+  if format == "text":
+    table = pa.table({"text": DOCS, "score": list(range(len(DOCS)))})
+  else:
+    table = pa.Table.from_pylist([{"messages": [{"role": "user", "content": f"q{i}"},
+                                                {"role": "assistant", "content": f"a{i}"}]} for i in range(500)])
+  folder = _saved(tmp_path / "saved", table, 100)
+  opened, read = [], []
+  open_stream = ipc.open_stream
+
+  class Counted:
+    def __init__(self, reader):
+      self.reader, self.schema = reader, reader.schema
+
+    def __iter__(self):
+      for batch in self.reader:
+        read.append(batch.num_rows)
+        yield batch
+
+  monkeypatch.setattr(ipc, "open_stream", lambda source: opened.append(1) or Counted(open_stream(source)))
+  manifest = prepare.prepare([str(folder)], "byte", tmp_path / "out", format=format, progress=False)
+  assert manifest["documents"] == 500
+  assert (len(opened), read) == (1, [100] * 5)
+
+
+@pytest.mark.parametrize("messages, held", [
+    (["hello", "there"], "string"),
+    ([[1, 2], [3]], "list<element: int64>"),
+    ([[{"role": "user", "text": "q"}]], "list<element: struct<role: string, text: string>>"),
+    ([[{"role": "user", "content": [{"type": "text", "text": "q"}]}]], "list<element: struct<role: string, content: list"),
+])
+def test_a_messages_column_that_is_not_chat_messages_is_refused_in_one_line(tmp_path, messages, held):
+  """A Parquet `messages` column that is not a list of {role, content} text structs: one line naming the file, the
+  column and what it holds, before any row is read."""
+  pq.write_table(pa.table({"messages": messages}), tmp_path / "c.parquet")
+  with pytest.raises(UserError) as e:
+    prepare.prepare([str(tmp_path / "c.parquet")], "byte", tmp_path / "out", format="chat", progress=False)
+  assert str(e.value).startswith(f"{tmp_path / 'c.parquet'} column 'messages' holds {held}"), str(e.value)
+  assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_prepare_data_refuses_a_saved_messages_column_of_text_with_exit_2(tmp_path, run_env):
+  folder = _saved(tmp_path / "saved", pa.table({"messages": ["User: hi\nAssistant: hello"] * 3}), 2)
+  out = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(folder),
+                        "--tokenizer", "byte", "--out", str(tmp_path / "out"), "--format", "chat"],
+                       capture_output=True, text=True, env=run_env)
+  shard = folder / "data-00000-of-00001.arrow"
+  assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+  assert out.stderr.startswith(f"error: {shard} column 'messages' holds string, not a list of {{role, content}}")
+  assert not (tmp_path / "out").exists()
