@@ -10,6 +10,7 @@ a model's `config.json` carries more keys than these (architectures, torch_dtype
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -477,6 +478,7 @@ def validate(cfg: Config, model_only: bool = False) -> None:
   _check_mesh(cfg)
   _check_model(cfg, model_only)
   _check_metrics(cfg)
+  _check_ranges(cfg)
   _check_optim(cfg)
   _check_train(cfg)
   _check_eval(cfg)
@@ -557,11 +559,62 @@ def _check_metrics(cfg: Config) -> None:
   port = cfg.metrics.prometheus_port
   if port is not None and not 0 <= port <= 65535:
     raise UserError(f"config key metrics.prometheus_port: {port} is not a port number (0-65535; 0 picks a free one)")
+  _check_wandb_project(cfg.metrics.wandb_project)
   import importlib.util
 
   if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
     raise UserError('config key metrics.wandb: true needs the wandb package: pip install -e ".[wandb]" (or set '
                     'metrics.wandb=false)')
+
+
+def _check_wandb_project(project: str) -> None:
+  """A name W&B takes as a project (its own rule: at most 128 characters, none of / \\ # ? % :)."""
+  entity, slash, name = project.partition("/")
+  if slash and entity.strip() and name.strip() and "/" not in name:
+    raise UserError(f"config key metrics.wandb_project: {project!r} names an entity and a project; set the entity "
+                    f"apart: WANDB_ENTITY={entity} and metrics.wandb_project={name}")
+  if not project.strip():
+    raise UserError(f"config key metrics.wandb_project: {project!r} is empty; name a W&B project, e.g. "
+                    f"metrics.wandb_project=jaxseek")
+  bad = "".join(c for c in "/\\#?%:" if c in project)
+  if bad or len(project) > 128:
+    raise UserError(f"config key metrics.wandb_project: {project!r} is not a W&B project name (at most 128 "
+                    f"characters, none of / \\ # ? % :); choose another")
+
+
+# Weights, rates, counts and intervals: (key, the test a meaningful value passes, the valid values in words); a
+# float must be finite too.
+RANGES = (
+    ("optim.lr", lambda v: v >= 0, "≥ 0"),
+    ("optim.warmup_steps", lambda v: v >= 0, "≥ 0"),
+    ("optim.decay_steps", lambda v: v >= 0, "≥ 0 (cosine: 0 decays until train.steps)"),
+    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "between 0 and 1, e.g. 0.1"),
+    ("optim.b1", lambda v: 0 <= v < 1, "≥ 0 and below 1, e.g. 0.9"),
+    ("optim.b2", lambda v: 0 <= v < 1, "≥ 0 and below 1, e.g. 0.95"),
+    ("optim.eps", lambda v: v > 0, "> 0, e.g. 1e-8"),
+    ("optim.weight_decay", lambda v: v >= 0, "≥ 0"),
+    ("optim.bias_update_rate", lambda v: v >= 0, "≥ 0 (0 freezes the correction biases)"),
+    ("train.mtp_loss_weight", lambda v: v >= 0, "≥ 0 (0 leaves the MTP heads untrained)"),
+    ("train.spike_sigma", lambda v: v is None or v > 0, "> 0, or null to skip no spikes"),
+    ("train.spike_window", lambda v: v >= 2, "≥ 2 (the losses a standard deviation is taken over)"),
+    ("train.step_timeout_s", lambda v: v is None or v > 0, "> 0, or null for no hang watchdog"),
+    ("checkpoint.every", lambda v: v >= 0, "≥ 0 (0: only at the end)"),
+    ("checkpoint.keep", lambda v: v >= 1, "≥ 1 (the latest checkpoints kept)"),
+    ("checkpoint.keep_every", lambda v: v >= 0, "≥ 0 (0: none kept permanently)"),
+    ("metrics.peak_tflops", lambda v: v is None or v > 0, "> 0, or null to detect the device's"),
+)
+
+
+def _check_ranges(cfg: Config) -> None:
+  for key, meaningful, valid in RANGES:
+    section, field = key.split(".")
+    value = getattr(getattr(cfg, section), field)
+    if (isinstance(value, float) and not math.isfinite(value)) or not meaningful(value):
+      raise UserError(f"config key {key}: {value} must be {valid}")
+  t = cfg.train
+  if t.loss_scale_min > t.loss_scale_init:
+    raise UserError(f"config key train.loss_scale_min: {t.loss_scale_min} exceeds train.loss_scale_init="
+                    f"{t.loss_scale_init}; lower it (1 is the usual floor)")
 
 
 def _check_optim(cfg: Config) -> None:
