@@ -79,11 +79,14 @@ def compression_bytes(cfg: config_lib.Config, trainer: Trainer, mesh: Mesh, meth
 
 
 def compression_summary(cfg: config_lib.Config, trainer: Trainer, mesh: Mesh) -> str | None:
-  """One start-up line: what each train.grad_compression method sends per device per step over `data` (None on
-  one data shard), with a warning when the chosen one saves nothing."""
+  """One start-up line: what each train.grad_compression method sends per device per step over `data`, with a
+  warning when the chosen one saves nothing; on one data shard only the warning that a chosen one compresses nothing."""
   n = mesh.shape["data"]
   if n <= 1:
-    return None
+    chosen = cfg.train.grad_compression
+    return None if chosen == "none" else (
+        f"warning: train.grad_compression={chosen} has nothing to compress with mesh.data=1: the gradient sum runs "
+        f"uncompressed (only the sum over data shards is compressed)")
   got = {m: compression_bytes(cfg, trainer, mesh, m) for m in compression.METHODS}
   label = lambda m: f"powersgd (rank {cfg.train.powersgd_rank})" if m == "powersgd" else m
   line = (f"gradient sum over data={n}, MB sent per device per step: " +

@@ -79,3 +79,17 @@ def test_weight_decay_mask_skips_norms_and_embeddings():
   assert flat["embed/table_VD"] is False
   assert flat["moe_layers/blocks/attn_norm/scale_D"] is False
   assert flat["moe_layers/blocks/mlp/w_gate_EDM"] is True and flat["head_DV"] is True
+
+
+@pytest.mark.parametrize("method", ["bf16", "int8", "powersgd"])
+def test_compression_on_one_data_shard_says_nothing_is_compressed(method):
+  """train.grad_compression with mesh.data=1 has no sum over data to compress: the start-up line says so."""
+  from types import SimpleNamespace
+
+  from jaxseek.step import compression_summary
+
+  mesh = SimpleNamespace(shape={"data": 1, "fsdp": 2, "expert": 1, "tensor": 1, "pipeline": 1, "context": 1})
+  line = compression_summary(load_config("tiny-v3", f"train.grad_compression={method}"), None, mesh)
+  assert line == (f"warning: train.grad_compression={method} has nothing to compress with mesh.data=1: the gradient "
+                  f"sum runs uncompressed (only the sum over data shards is compressed)")
+  assert compression_summary(load_config("tiny-v3"), None, mesh) is None
