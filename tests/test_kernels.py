@@ -1,5 +1,7 @@
 """Every attention, expert-matmul and loss implementation against its reference, in value and gradient."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -295,3 +297,70 @@ def test_gpu_kernel_runs_per_shard_on_a_mesh():
   with jax.set_mesh(mesh):
     got = run(q, k, v)
   np.testing.assert_allclose(got, dense_attention(q, k, v, seg, 0.3), atol=2e-6)
+
+
+# devices as JAX describes them: an AMD GPU names its platform "gpu" (or "rocm") and reports a gfx architecture
+# as its compute capability, its client's platform version naming ROCm
+MI300X = SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X", compute_capability="gfx942",
+                         client=SimpleNamespace(platform_version="rocm 6.3.1"))
+ROCM_BARE = SimpleNamespace(platform="rocm", device_kind="AMD Instinct MI250X")
+H200 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0",
+                       client=SimpleNamespace(platform_version="cuda 12080"))
+
+
+@pytest.mark.parametrize("device", [MI300X, ROCM_BARE], ids=["gfx942", "no-capability"])
+def test_auto_takes_xla_paths_on_an_amd_gpu(monkeypatch, device):
+  """On a ROCm device (the mesh's and the default one) auto picks XLA's paths, the start-up line says why, and
+  the CUDA-only kernels asked for by name are refused in one line; an H200 and a plan without a GPU at hand
+  (the explorer's, taken as sm_90) still get Mosaic."""
+  cfg = config_lib.load("configs/bench-v3-1b.yaml")
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [device])
+  where, cc = kernels.device_target(device)
+  assert (where, cc) == ("gpu", None)
+  assert kernels.attention_kind("auto", 4096, where, jnp.bfloat16, tokamax=True, capability=cc) == "blocked"
+  assert kernels.matmul_kind("auto", where, jnp.bfloat16, tokamax=True, capability=cc, dims=(2048, 512)) == "blocked"
+  line = kernels.summary(cfg, where, cc, tokamax=True)
+  assert line.startswith("kernels on a GPU without a CUDA compute capability (ROCm): attention blocked"), line
+  assert "expert GEMM blocked" in line
+  for setting in ("mosaic", "triton", "cudnn"):
+    with pytest.raises(config_lib.UserError, match=f"model.attention_impl: {setting}.*without a CUDA compute"):
+      kernels.attention_kind(setting, 4096, where, jnp.bfloat16, tokamax=True, capability=cc)
+  for setting in ("tokamax", "tokamax_triton"):
+    with pytest.raises(config_lib.UserError, match=f"model.moe_matmul: {setting}.*without a CUDA compute"):
+      kernels.matmul_kind(setting, where, jnp.bfloat16, tokamax=True, capability=cc)
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [H200])
+  assert kernels.device_target(H200) == ("gpu", 9.0)
+  assert kernels.attention_kind("auto", 4096, "gpu", jnp.bfloat16, tokamax=True) == "mosaic"
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [SimpleNamespace(platform="cpu")])
+  assert kernels.matmul_kind("auto", "gpu", jnp.bfloat16, tokamax=True, dims=(2048, 512)) == "tokamax"
+
+
+def test_blocked_expert_weight_gradients_accumulate_in_float32():
+  """moe.ffn_blocked's weight gradients under bfloat16 compute, 2 experts × 32 row blocks of 256: equal to the
+  exact sum rounded once to bfloat16. The inputs make every value exact: x, dy, the weights in {-1, 0, 1} save
+  a gate column of 20 (so gate ∈ [20, 23], where bfloat16's and float32's sigmoid are 1 and silu(gate) = gate),
+  every hidden value and cotangent an integer below 256 (exact in bfloat16), every block's partial sum and the
+  total an integer below 2²⁴ (exact in float32). Accumulated in float32, the only rounding is the final cast;
+  accumulated in bfloat16, every block's addition rounds the running sum."""
+  R, D, M, E = 16384, 4, 4, 2
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 2, (R, D)).astype(np.float32)
+  x[:, 0] = 1
+  w_gate = rng.integers(0, 2, (E, D, M)).astype(np.float32)
+  w_gate[:, 0] = 20
+  w_up, w_down = rng.integers(-1, 2, (E, D, M)).astype(np.float32), rng.integers(-1, 2, (E, M, D)).astype(np.float32)
+  dy = rng.integers(-1, 2, (R, D)).astype(np.float32)
+  sizes = jnp.asarray([R // 2, R // 2], jnp.int32)
+  bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+  loss = lambda *w: (moe.ffn_blocked(bf16(x), sizes, *w).astype(jnp.float32) * dy).sum()
+  got = jax.grad(loss, argnums=(0, 1, 2))(bf16(w_gate), bf16(w_up), bf16(w_down))
+  want = [np.zeros_like(w_gate), np.zeros_like(w_up), np.zeros_like(w_down)]
+  for e in range(E):
+    rows = slice(e * R // 2, (e + 1) * R // 2)
+    xe, dye = x[rows], dy[rows]
+    gate, up, dh = xe @ w_gate[e], xe @ w_up[e], dye @ w_down[e].T
+    want[0][e], want[1][e], want[2][e] = xe.T @ (dh * up), xe.T @ (dh * gate), (gate * up).T @ dye
+  assert max(float(np.abs(w).max()) for w in want) > 2**12  # sums well past bfloat16's 8 bits
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(bf16(w), np.float32))

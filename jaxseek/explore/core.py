@@ -87,7 +87,7 @@ def _detect() -> tuple[str, int, float, float] | None:
   limit = (device.memory_stats() or {}).get("bytes_limit")
   kind = device.device_kind.lower().replace(" ", "")
   peak = next((v for k, v in PEAK_TFLOPS.items() if k in kind), PEAK_TFLOPS[GPUS[DEFAULT_GPU][1]])
-  cc = kernels.capability(device) or CAPABILITY[GPUS[DEFAULT_GPU][1]]
+  cc = None if kernels.is_rocm(device) else kernels.capability(device) or CAPABILITY[GPUS[DEFAULT_GPU][1]]
   return (device.device_kind, int(limit), peak, cc) if limit else None
 
 

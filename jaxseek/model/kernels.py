@@ -3,7 +3,8 @@
 Choices are resolved from the platform of the active mesh's devices, not from `jax.default_backend()`, so a
 deviceless compile for a GPU target on a CPU machine picks the GPU kernels, and on a GPU from its CUDA compute
 capability (tokamax 0.0.12: Mosaic GPU kernels on sm_90 and sm_100 only, Triton from sm_80, cuDNN's MLA-shaped
-attention from sm_90).
+attention from sm_90). A GPU without a CUDA compute capability (ROCm) gets XLA's paths from auto (blocked, or
+dense), and the tokamax kernels asked for by name are refused there.
 
   model.attention_impl  auto: on GPU tokamax's Mosaic GPU flash attention on sm_90 (sm_100: head dims ≤ 64)
                         with 16-bit inputs, else its Triton flash attention from sm_80, else (or without tokamax) the blocked
@@ -20,6 +21,7 @@ attention from sm_90).
 
 from __future__ import annotations
 
+import re
 import sys
 
 import jax
@@ -57,11 +59,19 @@ DENSE_MASK = {"cudnn": "forward and backward", "triton": "in its backward"}
 
 
 def capability(device=None) -> float | None:
-  """The CUDA compute capability of `device` (8.0, 9.0, 10.0; None for other platforms). Default: the default
-  device, which a deviceless compile sets to the target GPU (explore/gpu.py), as tokamax itself reads it."""
+  """The CUDA compute capability of `device` (8.0, 9.0, 10.0; None for other platforms, ROCm included, whose
+  devices report a gfx architecture there). Default: the default device, which a deviceless compile sets to the
+  target GPU (explore/gpu.py), as tokamax itself reads it."""
   device = device or jax.devices()[0]
-  cc = getattr(device, "compute_capability", None)
-  return float(cc) if cc and device.platform in ("cuda", "gpu") else None
+  cc = str(getattr(device, "compute_capability", None) or "")
+  cuda = device.platform in ("cuda", "gpu") and not is_rocm(device)
+  return float(cc) if cuda and re.fullmatch(r"\d+\.\d+", cc) else None
+
+
+def is_rocm(device) -> bool:
+  """Whether `device` is an AMD GPU (JAX names the platform of ROCm and CUDA devices alike "gpu")."""
+  version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+  return device.platform == "rocm" or "rocm" in version.lower()
 
 
 def device_target(device) -> tuple[str, float | None]:
@@ -71,14 +81,15 @@ def device_target(device) -> tuple[str, float | None]:
 
 
 def sm(cc: float | None) -> str:
-  return "an unknown GPU" if cc is None else f"sm_{int(cc)}{round(cc % 1 * 10)}"
+  return "a GPU without a CUDA compute capability (ROCm)" if cc is None else f"sm_{int(cc)}{round(cc % 1 * 10)}"
 
 
 def _gpu(where: str, cc: float | None, tokamax: bool | None) -> tuple[float | None, bool]:
-  """The capability (looked up when not given; a GPU not at hand, as the explorer plans for one, is taken as
-  sm_90) and whether tokamax is installed, for a GPU platform."""
+  """The capability and whether tokamax is installed, for a GPU platform. A capability not given is the default
+  device's: None for a GPU without one (ROCm: no CUDA kernel runs there), sm_90 when no GPU is at hand (the
+  explorer planning for one)."""
   if where == "gpu" and cc is None:
-    cc = capability() or PLANNED_SM
+    cc = PLANNED_SM if jax.devices()[0].platform == "cpu" else capability()
   return cc, _has_tokamax() if tokamax is None else tokamax
 
 
@@ -117,17 +128,19 @@ def attention_kind(setting: str, length: int, where: str | None = None, dtype=jn
   if setting in GPU_ATTENTION and where != "gpu":
     raise UserError(f"{key}: {setting} is a GPU kernel but the mesh's devices are {where}; use auto, blocked or "
                     f"dense")
-  if setting in GPU_ATTENTION and where == "gpu" and cc is not None:
+  if setting in GPU_ATTENTION and where == "gpu":
     auto = attention_kind("auto", length, where, dtype, installed, cc, head_dims)
     if setting == "mosaic" and not _mosaic_runs(cc):
       raise UserError(f"{key}: mosaic (tokamax's Mosaic GPU kernels) runs on sm_90 and sm_100 GPUs and this is "
-                      f"{sm(cc)}; use auto (it picks {auto} here) or triton")
+                      f"{sm(cc)}; use auto (it picks {auto} here){' or triton' if cc else ''}")
     if setting == "mosaic" and not _mosaic_runs(cc, head_dims):
       raise UserError(f"{key}: mosaic on {sm(cc)} takes head dims of at most {MOSAIC_SM100_HEAD_DIM} (tokamax's "
                       f"kernels there exceed shared memory beyond), and these are {head_dims[0]}/{head_dims[1]}; "
                       f"use auto (it picks {auto} here) or triton")
     if setting == "triton" and not _triton_runs(cc):
       raise UserError(f"{key}: triton needs an sm_80 or newer GPU and this is {sm(cc)}; use auto or blocked")
+    if setting == "cudnn" and cc is None:
+      raise UserError(f"{key}: cudnn is NVIDIA's cuDNN and this is {sm(cc)}; use auto (it picks {auto} here)")
     if setting == "cudnn" and head_dims and cc < 9.0 and (head_dims[0] != head_dims[1] or head_dims[0] > 128):
       raise UserError(f"{key}: cudnn takes query/key head dim {head_dims[0]} with value head dim "
                       f"{head_dims[1]} (MLA-shaped, or over 128) on sm_90 or newer only, and this is {sm(cc)}; "
@@ -144,8 +157,9 @@ def matmul_kind(setting: str, where: str | None = None, dtype=jnp.bfloat16, toka
   (hidden size, the expert's local intermediate size). auto: tokamax's grouped GEMM on GPU for 16-bit inputs,
   Mosaic GPU on sm_90 when every dim is a multiple of 64 (tokamax 0.0.12: its sm_100 kernels have no weight
   gradient, and other widths do not tile), else Triton from sm_80 (XLA:GPU lowers `ragged_dot` to a dense product
-  with every expert; tokamax's kernels take 16-bit inputs only, so float32 stays blocked), blocked on CPU (the
-  same rewrite, and no grouped GEMM), ragged_dot on TPU."""
+  with every expert; tokamax's kernels take 16-bit inputs only, so float32 stays blocked), blocked on older GPUs
+  and on GPUs without a CUDA compute capability (ROCm), blocked on CPU (the same rewrite, and no grouped GEMM),
+  ragged_dot on TPU."""
   where = where or platform()
   cc, installed = _gpu(where, capability, tokamax)
   if setting == "auto":
@@ -164,11 +178,11 @@ def matmul_kind(setting: str, where: str | None = None, dtype=jnp.bfloat16, toka
   if setting in GPU_MATMUL and jnp.dtype(dtype).itemsize != 2:
     raise UserError(f"{key}: {setting} takes bfloat16 or float16 inputs; set train.compute_dtype=bfloat16, or use "
                     f"auto or blocked")
-  if where == "gpu" and cc is not None:
+  if where == "gpu":
     if setting == "tokamax" and not _mosaic_gemm_runs(cc, None):
       raise UserError(f"{key}: tokamax (tokamax's Mosaic GPU grouped GEMM, forward and backward) runs on sm_90 GPUs "
                       f"and this is {sm(cc)}; use auto (it picks {matmul_kind('auto', where, dtype, installed, cc)} "
-                      f"here) or tokamax_triton")
+                      f"here){' or tokamax_triton' if cc else ''}")
     if setting == "tokamax" and not _mosaic_gemm_runs(cc, dims):
       raise UserError(f"{key}: tokamax (tokamax's Mosaic GPU grouped GEMM) takes widths that are multiples of "
                       f"{MOSAIC_GEMM_TILE}, and the expert GEMMs here are {' × '.join(map(str, dims))}; use auto "
@@ -191,7 +205,7 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
   (default mesh.tensor)."""
   tensor = cfg.mesh.tensor if tensor is None else tensor
   m, t = cfg.model, cfg.train
-  installed = _has_tokamax() if tokamax is None else tokamax
+  cc, installed = _gpu(where, cc, tokamax)
   attention = attention_kind(m.attention_impl, t.seq_len, where, t.compute_dtype, installed, cc,
                              m.attention_head_dims)
   parts = [f"attention {attention} ({LABELS[attention]})"]

@@ -31,10 +31,12 @@ Dispatch on the expert axis (P shards), `model.moe_dispatch` as `kernels.dispatc
       the groups Σ_s kept[q, l, s] (no padding rows); a second one returns the results to the senders' sorted
       positions. Copies past R are dropped like copies past C and counted in the same `dropped`; with
       moe_recv_factor ≥ min(P, E/K) nothing is (R then holds the worst case, P · X · min(K, e)).
-  moe_dispatch_dtype=float8_e4m3fn  the dispatched rows travel as e4m3 with a float32 scale per 1×128 tile
-      (amax / 448): D + 4·⌈D/128⌉ bytes a row instead of 2·D in bfloat16; they are dequantised to the compute
-      dtype on arrival, the results come back in the compute dtype, and the gradient passes straight through the
-      rounding (the backward sends its cotangents in the compute dtype).
+  moe_dispatch_dtype=float8_e4m3fn  the exchanges that carry rows to the experts travel as e4m3 with a float32
+      scale per 1×128 tile (amax / 448): D + 4·⌈D/128⌉ bytes a row instead of 2·D in bfloat16, dequantised to the
+      compute dtype on arrival. Forward: the dispatched tokens in e4m3, the expert results back in the compute
+      dtype. Backward: the cotangents of the expert results go to the experts in e4m3 (the combine's transpose),
+      the tokens' cotangents come back in the compute dtype. Each rounding is straight-through: its gradient is
+      the identity (`dispatch`).
 Compiled for 8 H200s (bench-v3-1b, 4 layers, batch 8 × 1024 on expert=8; docs/moe.md): fixed, every all_to_all
 bf16[8, 4096, 2048] (32,768 rows for 4,096 copies), temp 3.99 GiB; ragged, 4,096 rows out into R = 8,192,
 temp 1.64 GiB (1.61 with FP8 dispatch, 2,112 bytes a row).
@@ -204,8 +206,8 @@ def _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
 def _swiglu_blocks_bwd(residuals, dy_NnD):
   """Two loops over the blocks: the first recomputes each block's hidden activations and gives the input's
   cotangent, with the hidden cotangents and activations the weight gradients need; the second accumulates each
-  expert's weight gradients in place from those. Each matmul runs once; a zero-bubble pipeline's W
-  (sharding/wsplit.py) runs the second loop apart from the first."""
+  expert's weight gradients in place from those, in float32 (cast to the weights' dtype at the end). Each matmul
+  runs once; a zero-bubble pipeline's W (sharding/wsplit.py) runs the second loop apart from the first."""
   x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD = residuals
   zero = _zero(dy_NnD, x_NnD)  # dy may vary over fewer axes than the operands
   blocks = jnp.arange(x_NnD.shape[0])
@@ -234,17 +236,19 @@ def _swiglu_blocks_bwd(residuals, dy_NnD):
 
   def weight_block(grads, inputs):
     x_nD, dy_nD, dgate_nm, dup_nm, h_nm, e, i = inputs
+    product = lambda a, b: jnp.matmul(a.T, b, preferred_element_type=jnp.float32)
 
     def add(dw_gate, dw_up, dw_down):
-      return (dw_gate.at[e].add((x_nD.T @ dgate_nm).astype(dw_gate.dtype)),
-              dw_up.at[e].add((x_nD.T @ dup_nm).astype(dw_up.dtype)),
-              dw_down.at[e].add((h_nm.T @ dy_nD).astype(dw_down.dtype)))
+      return (dw_gate.at[e].add(product(x_nD, dgate_nm)), dw_up.at[e].add(product(x_nD, dup_nm)),
+              dw_down.at[e].add(product(h_nm, dy_nD)))
 
     return jax.lax.cond(i < used, add, lambda *g: g, *grads), None
 
-  zeros = tuple(jnp.zeros_like(w) + zero.astype(w.dtype) for w in (w_gate_EDm, w_up_EDm, w_down_EmD))
+  # accumulated over the blocks in float32 (in the compute dtype each block's addition would round the sum)
+  weights = (w_gate_EDm, w_up_EDm, w_down_EmD)
+  zeros = tuple(jnp.zeros(w.shape, jnp.float32) + zero for w in weights)
   grads, _ = jax.lax.scan(weight_block, zeros, (x_NnD, dy_NnD, dgate_Nnm, dup_Nnm, h_Nnm, expert_N, blocks))
-  return (dx_NnD, None, None, *grads)
+  return (dx_NnD, None, None, *(g.astype(w.dtype) for g, w in zip(grads, weights)))
 
 
 _swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
