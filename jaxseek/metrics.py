@@ -245,21 +245,37 @@ class WandB:
   """Weights & Biases (metrics.wandb): every number of every record (per-layer lists as <name>/<layer>) at its
   step, and the resolved config. The run's id is kept in <run_dir>/wandb_id, so a resumed run continues the same
   W&B run; its files go under <run_dir>/wandb. Entity, mode (WANDB_MODE=offline) and key come from W&B's own
-  environment variables."""
+  environment variables.
+
+  W&B drops a record whose step is not above the last it holds, and a resumed run repeats the steps after its
+  checkpoint that the stopped run had already logged. So every metric is plotted against the record's own `step`
+  (define_metric), and W&B's step is the training step plus an offset kept in <run_dir>/wandb_step_offset: the
+  first repeated step raises the offset past the last W&B step, so the repeats are logged too."""
 
   def __init__(self, run_dir: Path, cfg: Config):
     import wandb
 
     from jaxseek import config as config_lib
 
-    id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+    id_file, self.offset_file = run_dir / "wandb_id", run_dir / "wandb_step_offset"
+    resumed = id_file.exists()
+    run_id = id_file.read_text().strip() if resumed else uuid.uuid4().hex[:8]
     id_file.write_text(run_id + "\n")
-    self.run = wandb.init(project=cfg.metrics.wandb_project, name=cfg.metrics.wandb_name or run_dir.absolute().name,
-                          id=run_id, resume="allow", dir=str(run_dir), config=config_lib.to_dict(cfg))
+    self.offset = int(self.offset_file.read_text()) if self.offset_file.exists() else 0
+    # every record reaches metrics.jsonl before W&B: its last step is the last one W&B may hold (less the offset)
+    last = _last_jsonl_step(run_dir / "metrics.jsonl") if resumed else None
+    try:
+      self.run = wandb.init(project=cfg.metrics.wandb_project, name=cfg.metrics.wandb_name or run_dir.absolute().name,
+                            id=run_id, resume="allow", dir=str(run_dir), config=config_lib.to_dict(cfg))
+    except wandb.errors.UsageError as e:
+      raise UserError(f"W&B refused to start (metrics.wandb=true): {str(e).splitlines()[0]}") from None
+    # online, W&B says where the run's history ends too
+    self.last = max(-1 if last is None else last + self.offset, (getattr(self.run, "starting_step", 0) or 0) - 1)
+    self.run.define_metric("step")
+    self.run.define_metric("*", step_metric="step")
 
   def write(self, step: int, record: dict) -> None:
-    data = {}
+    data = {"step": step}
     for key, value in record.items():
       if key == "step" or value is None:
         continue
@@ -267,10 +283,94 @@ class WandB:
         data.update({f"{key}/{i}": v for i, v in enumerate(value) if isinstance(v, (int, float))})
       elif isinstance(value, (int, float)):
         data[key] = value
-    self.run.log(data, step=step)
+    if step + self.offset <= self.last:  # a step logged before the resume
+      logged = self.last - self.offset
+      self.offset = self.last + 1 - step
+      self.offset_file.write_text(f"{self.offset}\n")
+      steps = f"step {step} was" if step == logged else f"steps {step}–{logged} were"
+      print(f"W&B: {steps} logged before the resume and now again, at W&B's own steps from {step + self.offset} "
+            f"(charts plot against `step`, where both runs' values show)", flush=True)
+    self.last = step + self.offset
+    self.run.log(data, step=self.last)
 
   def close(self) -> None:
     self.run.finish()
+
+
+def _last_jsonl_step(path: Path) -> int | None:
+  """The step of the last complete record of a metrics.jsonl (read from its last MiB), or None."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 20)))
+      lines = f.read().split(b"\n")
+  except FileNotFoundError:
+    return None
+  for line in reversed(lines):  # a line cut off by the seek or by a kill is no JSON object with a step
+    try:
+      return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError, IndexError):
+      continue
+  return None
+
+
+WANDB_MODES = ("online", "offline", "dryrun", "disabled", "run", "shared")
+WANDB_CLOUD = ("api.wandb.ai", "api.forge.coreweave.com")  # W&B's cloud service, under either address
+
+
+def check_wandb(cfg: Config) -> None:
+  """metrics.wandb: refuses, before anything is written, a WANDB_MODE W&B does not know and an online run without
+  credentials, looked for where W&B looks (no network call): WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, an api_key
+  in W&B's settings files, the netrc entry for the W&B host."""
+  if not cfg.metrics.wandb:
+    return
+  settings = _wandb_settings()
+  env_mode = os.environ.get("WANDB_MODE")
+  if env_mode and env_mode not in WANDB_MODES:
+    raise UserError(f"WANDB_MODE={env_mode} is not a W&B mode ({', '.join(WANDB_MODES)}); set WANDB_MODE=offline "
+                    f"or online")
+  mode = env_mode or settings.get("mode", "online")
+  disabled = os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes")
+  if mode in ("offline", "dryrun", "disabled") or disabled or _wandb_credentials(settings):
+    return
+  raise UserError("metrics.wandb=true logs to W&B online, but no W&B API key is set (WANDB_API_KEY, or the netrc "
+                  "entry `wandb login` writes); run `wandb login`, or set WANDB_MODE=offline to log locally")
+
+
+def _wandb_settings() -> dict[str, str]:
+  """The [default] section of W&B's global settings file and of ./wandb/settings (the latter wins)."""
+  import configparser
+
+  folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join("~", ".config", "wandb")
+  values = {}
+  for path in (Path(folder).expanduser() / "settings", Path("wandb") / "settings"):
+    parser = configparser.ConfigParser()
+    try:
+      parser.read(path)
+    except (configparser.Error, OSError, UnicodeDecodeError):
+      continue
+    if parser.has_section("default"):
+      values.update(parser["default"])
+  return values
+
+
+def _wandb_credentials(settings: dict[str, str]) -> bool:
+  """Whether W&B would find credentials (True where a file cannot be read: then W&B decides)."""
+  import netrc
+  from urllib.parse import urlsplit
+
+  if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.get("api_key"):
+    return True
+  host = urlsplit(os.environ.get("WANDB_BASE_URL") or settings.get("base_url") or "").netloc
+  hosts = WANDB_CLOUD if not host or host in WANDB_CLOUD else (host,)
+  path = os.environ.get("NETRC") or next((p for p in ("~/.netrc", "~/_netrc") if os.path.exists(
+      os.path.expanduser(p))), "~/.netrc")
+  try:
+    entries = netrc.netrc(os.path.expanduser(path))
+  except FileNotFoundError:
+    return False
+  except (netrc.NetrcParseError, OSError, UnicodeDecodeError):
+    return True
+  return any((entries.authenticators(h) or (None, None, None))[2] for h in hosts)
 
 
 # metrics.jsonl key → Prometheus gauge name (the Grafana dashboard in docs/ reads these)

@@ -70,6 +70,8 @@ def restore_or_init(cfg: config_lib.Config, trainer: Trainer, ckpt: checkpoint_l
 
 def run(cfg: config_lib.Config) -> dict[str, float]:
   """mesh → data and evaluation set → run directory → state (restored or new) → loop. Returns the summary."""
+  if jax.process_index() == 0:  # where W&B will log: a missing key is refused before anything is written
+    metrics_lib.check_wandb(cfg)
   mesh = mesh_lib.make_mesh(cfg)
   print(mesh_lib.startup_line(mesh), flush=True)
   check_setup(cfg, mesh)  # before the run directory is touched
