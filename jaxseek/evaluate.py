@@ -34,9 +34,10 @@ from jaxseek.sharding import rules
 
 def summarize(sums: list[dict[str, jax.Array]]) -> dict[str, float]:
   """eval_loss = Σ CE / Σ tokens over all batches (each token weighs the same), eval_perplexity = exp(eval_loss),
-  eval_mtp_loss = the mean over depths of each depth's Σ CE / Σ tokens; eval_mtp_accuracy = per depth k, the
-  share of tokens whose top-1 MTP prediction is t_{i+k+1} (the acceptance rate a speculative decoder drafting
-  with that depth would see against this text); eval_tokens = Σ tokens."""
+  eval_mtp_loss = the mean over depths of each depth's Σ CE / Σ tokens; per depth k, eval_mtp_accuracy = the
+  share of tokens whose top-1 MTP prediction is the text's t_{i+k+1}, and eval_mtp_acceptance = the share whose
+  top-1 MTP prediction is the main model's own top-1 prediction of t_{i+k+1} (at position i+k, teacher forced):
+  what greedy speculative decoding with that depth as the draft accepts; eval_tokens = Σ tokens."""
   host = jax.device_get(sums)
   total = lambda key: np.sum([np.asarray(s[key], np.float64) for s in host], axis=0)
   tokens = float(total("tokens"))
@@ -47,6 +48,7 @@ def summarize(sums: list[dict[str, jax.Array]]) -> dict[str, float]:
   if "mtp_sums" in host[0]:
     out["eval_mtp_loss"] = float(np.mean(total("mtp_sums") / np.maximum(total("mtp_tokens"), 1.0)))
     out["eval_mtp_accuracy"] = (total("mtp_correct") / np.maximum(total("mtp_tokens"), 1.0)).tolist()
+    out["eval_mtp_acceptance"] = (total("mtp_agree") / np.maximum(total("mtp_tokens"), 1.0)).tolist()
   return out
 
 
@@ -185,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
   mesh_lib.simulate_cpu_devices(cfg.mesh.num_cpu_devices)
   out = evaluate(path, cfg)
   if jax.process_index() == 0:
-    mtp = f" | mtp loss {out['eval_mtp_loss']:.4f} | mtp top-1 " + ", ".join(
-        f"{a:.1%}" for a in out["eval_mtp_accuracy"]) if "eval_mtp_loss" in out else ""
+    shares = lambda key: ", ".join(f"{a:.1%}" for a in out[key])
+    mtp = (f" | mtp loss {out['eval_mtp_loss']:.4f} | mtp top-1 {shares('eval_mtp_accuracy')} | mtp acceptance "
+           f"{shares('eval_mtp_acceptance')}") if "eval_mtp_loss" in out else ""
     print(f"eval {path} on {args.data}: loss {out['eval_loss']:.4f} | perplexity {out['eval_perplexity']:.3f}{mtp}"
           f" | {out['eval_tokens']:,.0f} tokens | {out['tokens_per_sec']:,.0f} tokens/s", flush=True)
     if args.json:

@@ -285,10 +285,23 @@ def step_batch(cfg: config_lib.Config, batch: dict[str, jax.Array]) -> dict[str,
   """The batch as the step reads it: with the multi-token-prediction arrays, in zigzag order under
   model.context_attention=zigzag."""
   batch = with_mtp_arrays(batch, cfg.model.num_nextn_predict_layers)
+  shards = zigzag_shards(cfg)
+  return to_zigzag(batch, shards) if shards > 1 else batch
+
+
+def zigzag_shards(cfg: config_lib.Config) -> int:
+  """The context shards of the zigzag storage order the step uses (1: token order)."""
   context = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in rules.mesh_axes("length"))
-  if cfg.model.context_attention == "zigzag" and context > 1:
-    batch = to_zigzag(batch, context)
-  return batch
+  return context if cfg.model.context_attention == "zigzag" else 1
+
+
+def token_ahead(cfg: config_lib.Config, x_BT: jax.Array, k: int) -> jax.Array:
+  """x of token i+k at the position where `step_batch` stores token i (0 past the end), in token or zigzag order."""
+  shards = zigzag_shards(cfg)
+  if shards == 1:
+    return shift_left(x_BT, k)
+  order = zigzag_order(x_BT.shape[1], shards)
+  return jnp.take(shift_left(jnp.take(x_BT, np.argsort(order), axis=1), k), order, axis=1)
 
 
 def _mtp_and_moe_metrics(cfg: config_lib.Config, batch, mtp_sums, loads, balance, biases) -> dict[str, jax.Array]:
@@ -416,9 +429,11 @@ def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callab
 
 def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """The forward and loss of training on `batch`, without gradients: the summed cross entropy and its token
-  count ("ce_sum", "tokens"), and per multi-token-prediction depth ("mtp_sums", "mtp_tokens", and "mtp_correct":
-  the tokens whose top-1 MTP prediction is the target) where the model has it. Nothing is updated (no
-  optimiser, no correction-bias step)."""
+  count ("ce_sum", "tokens"), and per multi-token-prediction depth k where the model has it: "mtp_sums",
+  "mtp_tokens", "mtp_correct" (the tokens whose top-1 MTP prediction is the target t_{i+k+1}) and "mtp_agree"
+  (those whose top-1 MTP prediction is the main model's own top-1 prediction of t_{i+k+1}, made at position i+k:
+  what speculative decoding with that depth as the draft accepts). Nothing is updated (no optimiser, no
+  correction-bias step)."""
   depth = cfg.model.num_nextn_predict_layers
   batch = step_batch(cfg, batch)
   h_BTD, aux = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
@@ -430,9 +445,11 @@ def eval_sums(model: nnx.Module, cfg: config_lib.Config, batch: dict[str, jax.Ar
     out["mtp_sums"] = jnp.stack([ce(aux["mtp_hidden"][k - 1], batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])
                                  for k in range(1, depth + 1)])
     out["mtp_tokens"] = jnp.stack([batch[f"mtp_mask_{k}"].sum() for k in range(1, depth + 1)])
-    out["mtp_correct"] = jnp.stack([
-        loss_lib.correct_sum(aux["mtp_hidden"][k - 1], head_DV, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])
-        for k in range(1, depth + 1)])
+    greedy_BT = loss_lib.greedy_tokens(h_BTD, head_DV)
+    draft = [loss_lib.greedy_tokens(aux["mtp_hidden"][k - 1], head_DV) for k in range(1, depth + 1)]
+    hits = lambda k, want_BT: ((draft[k - 1] == want_BT) * batch[f"mtp_mask_{k}"]).sum()
+    out["mtp_correct"] = jnp.stack([hits(k, batch[f"mtp_targets_{k}"]) for k in range(1, depth + 1)])
+    out["mtp_agree"] = jnp.stack([hits(k, token_ahead(cfg, greedy_BT, k)) for k in range(1, depth + 1)])
   return out
 
 

@@ -93,6 +93,9 @@ def test_eval_loss_equals_evaluate_on_the_checkpoint(eval_run, data, tmp_path, c
     assert result["tokens_per_sec"] > 0
   line = capsys.readouterr().out.strip().splitlines()[-1]
   assert line.startswith(f"eval {eval_run / 'checkpoints' / '2'}") and "perplexity" in line and "tokens/s" in line
+  # the MTP head's top-1 accuracy against the text and its acceptance against the main model, side by side
+  shares = [f"{result[key][0]:.1%}" for key in ("eval_mtp_accuracy", "eval_mtp_acceptance")]
+  assert f"| mtp top-1 {shares[0]} | mtp acceptance {shares[1]} |" in line, line
 
 
 def test_eval_does_not_change_training(eval_run, data, tmp_path):
@@ -387,9 +390,11 @@ def test_eval_loss_equals_a_numpy_cross_entropy_over_the_same_tokens(data):
   np.testing.assert_allclose(got["eval_perplexity"], np.exp(total / count), rtol=2e-5)
 
 
-def test_eval_mtp_accuracy_equals_numpy_top1_over_the_same_batch(data):
-  """eval_mtp_accuracy per depth (a model with 2 MTP depths): the share of depth k's tokens whose top-1 token of
-  the MTP head's float64 logits (NumPy argmax) is t_{i+k+1}, over the Evaluator's own batches."""
+@pytest.fixture(scope="module")
+def mtp_eval(data):
+  """A model with 2 MTP depths after 30 steps on the documents evaluated ("a123aaaa…", so the MTP heads learn
+  them and many top-1 tokens are right), its Evaluator's results, and per eval batch (as the step reads it) the
+  float64 NumPy top-1 tokens of the main head [B, T] and of each depth's head [2, B, T]."""
   from flax import nnx
 
   from jaxseek import objective
@@ -400,23 +405,63 @@ def test_eval_mtp_accuracy_equals_numpy_top1_over_the_same_batch(data):
                     "model.num_nextn_predict_layers=2", "optim.lr=0.01", "train.steps=30")
   mesh = make_mesh(cfg)
   trainer = step_lib.make_trainer(cfg, mesh)
-  # 30 steps on the documents evaluated ("a123aaaa…"): the MTP heads learn them, so many top-1 tokens are right
   state, _ = run_steps(cfg, mesh, trainer, trainer.init(), batches_lib.GlobalBatches(cfg, mesh), 30)
   evaluator = Evaluator(cfg, mesh, trainer)
   with jax.set_mesh(mesh):
     got = evaluator(state)
   model = nnx.merge(trainer.graphdef, state.params, state.biases)
-  correct, count = np.zeros(2), np.zeros(2)
+  batches = []
   for batch in evaluator.batches:
     with jax.set_mesh(mesh):
       b = step_lib.step_batch(cfg, batch)
-      _, aux = model.forward(b["inputs"], b.get("positions"), b.get("segment_ids"), *objective.mtp_arrays(cfg, b),
+      h, aux = model.forward(b["inputs"], b.get("positions"), b.get("segment_ids"), *objective.mtp_arrays(cfg, b),
                              logits=False)
       head = np.asarray(model.head(), np.float64)
-    b = {k: np.asarray(v) for k, v in b.items()}
+    top = lambda h: (np.asarray(h, np.float64) @ head).argmax(-1)
+    batches.append(({k: np.asarray(v) for k, v in b.items()}, top(h), [top(aux["mtp_hidden"][k]) for k in (0, 1)]))
+  return got, batches
+
+
+def test_eval_mtp_accuracy_equals_numpy_top1_over_the_same_batch(mtp_eval):
+  """eval_mtp_accuracy per depth: the share of depth k's tokens whose top-1 token of the MTP head's float64
+  logits (NumPy argmax) is t_{i+k+1}, over the Evaluator's own batches."""
+  got, batches = mtp_eval
+  correct, count = np.zeros(2), np.zeros(2)
+  for b, _, draft in batches:
     for k in (1, 2):
-      top = (np.asarray(aux["mtp_hidden"][k - 1], np.float64) @ head).argmax(-1)
-      correct[k - 1] += ((top == b[f"mtp_targets_{k}"]) * b[f"mtp_mask_{k}"]).sum()
+      correct[k - 1] += ((draft[k - 1] == b[f"mtp_targets_{k}"]) * b[f"mtp_mask_{k}"]).sum()
       count[k - 1] += b[f"mtp_mask_{k}"].sum()
   assert (count > 0).all() and (correct > 0.1 * count).all(), (correct, count)
   np.testing.assert_allclose(got["eval_mtp_accuracy"], correct / count, rtol=1e-9)
+
+
+def test_eval_mtp_acceptance_equals_numpy_agreement_with_the_main_heads_greedy_token(mtp_eval):
+  """eval_mtp_acceptance per depth: the share of depth k's tokens where the MTP head's top-1 token at position i
+  equals the main head's top-1 token at position i+k (both predict t_{i+k+1}; float64 NumPy argmax of each
+  head's logits). It differs from the accuracy: the main model is often wrong where the draft agrees with it."""
+  got, batches = mtp_eval
+  agree, count = np.zeros(2), np.zeros(2)
+  for b, main, draft in batches:
+    for k in (1, 2):
+      mask = b[f"mtp_mask_{k}"][:, :-k]
+      agree[k - 1] += ((draft[k - 1][:, :-k] == main[:, k:]) * mask).sum()
+      count[k - 1] += mask.sum()
+  assert (count > 0).all() and (agree > 0.1 * count).all(), (agree, count)
+  np.testing.assert_allclose(got["eval_mtp_acceptance"], agree / count, rtol=1e-9)
+  assert not np.allclose(got["eval_mtp_acceptance"], got["eval_mtp_accuracy"])
+
+
+def test_token_ahead_follows_tokens_in_zigzag_storage():
+  """step.token_ahead under model.context_attention=zigzag on 4 context shards: x of token i+k at the position
+  where token i is stored, as shifting in token order and then storing in zigzag order gives."""
+  from jaxseek.model.transformer import shift_left
+  from jaxseek.sharding.mesh import make_mesh
+
+  cfg = load_config("tiny-v3", "mesh.context=4", "mesh.data=2", "model.context_attention=zigzag")
+  x = jnp.arange(2 * 32, dtype=jnp.int32).reshape(2, 32) + 1
+  with jax.set_mesh(make_mesh(cfg)):
+    stored = step_lib.to_zigzag({"inputs": x}, 4)["inputs"]
+    want = step_lib.to_zigzag({"inputs": shift_left(x, 3)}, 4)["inputs"]
+    got = step_lib.token_ahead(cfg, stored, 3)
+  assert not np.array_equal(np.asarray(stored), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -32,18 +32,14 @@ def cross_entropy_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Arra
   return _chunked_ce(to_chunks(h_BTD), head_DV, to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32)))
 
 
-def correct_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-  """Σ mask · [the top-1 token of logits h·W is the target] (float32), over chunks of tokens as the loss runs
-  (no [B, T, V] logits in memory); ties go to the lowest token id, as argmax."""
+def greedy_tokens(h_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
+  """The top-1 token of logits h·W at every position (int32 [B, T]), over chunks of tokens as the loss runs (no
+  [B, T, V] logits in memory); ties go to the lowest token id, as argmax."""
+  B, T, _ = h_BTD.shape
   to_chunks = _splitter(h_BTD, head_DV)
-
-  def chunk(total, inputs):
-    h_BcD, targets_Bc, mask_Bc = inputs
-    top_Bc = jnp.argmax(_chunk_logits(h_BcD, head_DV), axis=-1)
-    return total + ((top_Bc == targets_Bc) * mask_Bc).sum(), None
-
-  return jax.lax.scan(chunk, jnp.zeros((), jnp.float32),
-                      (to_chunks(h_BTD), to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32))))[0]
+  top_nBc = jax.lax.map(lambda h_BcD: jnp.argmax(_chunk_logits(h_BcD, head_DV), axis=-1).astype(jnp.int32),
+                        to_chunks(h_BTD))
+  return jnp.moveaxis(top_nBc, 0, 2).reshape(B, T)  # chunk c holds the positions t ≡ c (mod n)
 
 
 def _splitter(h_BTD: jax.Array, head_DV: jax.Array):
