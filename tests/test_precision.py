@@ -257,19 +257,21 @@ def two_phase_limit(v_S: np.ndarray, sharding, method: str) -> np.ndarray:
   return limit
 
 
-@pytest.mark.parametrize("name, mesh", [("tiny-dense", COMPRESS_MESH), ("tiny-v3", MOE_COMPRESS_MESH)],
+@pytest.mark.parametrize("name, mesh, methods", [("tiny-dense", COMPRESS_MESH, ("int8", "bf16")),
+                                                 ("tiny-v3", MOE_COMPRESS_MESH, ("int8",))],
                          ids=["dense-f2d2t2", "moe-d2e2t2"])
-def test_compressed_gradient_sum_is_within_the_quantisation_bound(name, mesh):
-  """The gradient the optimiser receives under int8 and bf16 data-axis sums, leaf by leaf against the shards'
+def test_compressed_gradient_sum_is_within_the_quantisation_bound(name, mesh, methods):
+  """The gradient the optimiser receives under compressed data-axis sums, leaf by leaf against the shards'
   gradients computed on one device (their sum: the one-device gradient): each element within the two-phase
   bound of its device's block (test_compression.bound) plus float32 reassociation, a leaf too small to compress
-  exact; the new residuals hold exactly what was dropped; the MoE loads are the whole batch's."""
+  exact; the new residuals hold exactly what was dropped; the MoE loads are the whole batch's. (MoE: int8 only,
+  for time; bf16 differs from it only in what the dense case checks, the packing.)"""
   from test_gradsum import REASSOCIATION, assert_leaves_close, one_device, recorded_steps
 
   exact = one_device(name)[0]
   v_S = shard_gradients(name, 2)
   assert_leaves_close({k: v.sum(0) for k, v in v_S.items()}, exact["grads"], REASSOCIATION)  # the oracle holds
-  for method in ("int8", "bf16"):
+  for method in methods:
     got, _, trainer = recorded_steps(name, (*mesh, f"train.grad_compression={method}"))
     got = got[0]
     shardings = {k: s for k, s in zip(v_S, jax.tree.leaves(trainer.state_shardings.params))}
