@@ -16,14 +16,19 @@ and threads): one item instead of four halves the part of an async save that blo
 (fine-tuning, conversion) restores part of that tree.
 
 Arrays are restored into the abstract state of the current mesh (ShapeDtypeStruct with the new shardings),
-so a checkpoint written on one mesh shape resumes on another.
+so a checkpoint written on one mesh shape resumes on another. The gradient-compression state follows the run,
+not the checkpoint (`carry_plan`): the error-feedback residuals [data, ...] keep their sum over shards across
+another data size or method, start at zero or are dropped where one side has none, and PowerSGD bases are kept
+at the same rank (they do not depend on the data size) and start afresh otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +40,7 @@ from flax import nnx
 
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError
-from jaxseek.sharding import pipeline, rules
+from jaxseek.sharding import compression, pipeline, rules
 
 ITEMS = ("state", "data", "config")
 STATE_PARTS = ("params", "biases", "opt_state", "train")
@@ -147,27 +152,31 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any, shardings: Any, data_iterator: Any | None, *,
               params_only: bool = False) -> Any:
     """The TrainState at `step`, placed on the current mesh (params and biases only when `params_only`)."""
-    source = pipeline.saved_layout(self.check_compatible(step))
+    saved = self.check_compatible(step)
+    source = pipeline.saved_layout(saved)
     targets = {name: abstract_with_shardings(getattr(abstract_state, name), getattr(shardings, name))
                for name in ("params", "biases", "opt_state")}
-    targets["train"] = abstract_with_shardings(_train_fields(abstract_state), _train_fields(shardings))
     names = ("params", "biases") if params_only else STATE_PARTS
     names = tuple(n for n in names if n != "biases" or jax.tree.leaves(abstract_state.biases))
     target = pipeline.layout(self.cfg, _pipeline_size(shardings.params))
     resized = pipeline.resized_stacks(self.cfg.model, source, target)
-    items = {"state": restore_args({n: targets[n] for n in names}, partial=params_only, resized=resized)}
+    plan = None
+    if not params_only:
+      train_target = abstract_with_shardings(_train_fields(abstract_state), _train_fields(shardings))
+      plan = carry_plan(saved, self.saved_train(step), train_target, self.cfg.train.grad_compression)
+      targets["train"] = plan.target(train_target)
+      resized += plan.loosened
+    items = {"state": restore_args({n: targets[n] for n in names}, partial=params_only or plan.partial,
+                                   resized=resized)}
     resplit = None
     if data_iterator is not None and not params_only:
       resplit = self._data_states_if_resplit(step)
       if resplit is None:
         import grain
         items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-    try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-      arrays = restored["state"]
-    except (ValueError, KeyError, FileNotFoundError, OSError) as e:
-      raise UserError(f"checkpoint {self.directory / str(step)} cannot be restored into this model "
-                      f"({str(e).splitlines()[0][:200]}); it is corrupt or from another model") from None
+    with reading(f"checkpoint {self.directory / str(step)} cannot be restored",
+                 "it is incomplete or corrupt: delete that step folder to resume from an earlier one"):
+      arrays = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
     if resplit is not None:  # another process count wrote it: every old process's state re-splits the data
       data_iterator.set_state(resplit)
       data_iterator.start_prefetch()
@@ -180,10 +189,23 @@ class Checkpointer:
     if params_only:
       return values
     values["opt_state"] = from_pure(abstract_state.opt_state, arrays["opt_state"])
-    values.update(arrays["train"])
+    values.update(plan.finish(arrays["train"], train_target, abstract_state.params, self.cfg.train.seed))
     # the gradient residuals mirror the parameters: their Variables back, as the step's trees expect
-    values["grad_residual"] = from_pure(abstract_state.grad_residual, arrays["train"]["grad_residual"])
+    values["grad_residual"] = from_pure(abstract_state.grad_residual, values["grad_residual"])
+    if (line := plan.line()) is not None and jax.process_index() == 0:
+      print(line, flush=True)
     return dataclasses.replace(abstract_state, **values)
+
+  def saved_train(self, step: int) -> dict:
+    """The array metadata (shape, dtype) of the train-state counters saved at `step` (its `train` part)."""
+    with reading(f"checkpoint {self.directory / str(step)} has unreadable array metadata",
+                 "it is incomplete or corrupt: delete that step folder to resume from an earlier one"):
+      handler = ocp.PyTreeCheckpointHandler()
+      try:
+        tree = handler.metadata(self.directory / str(step) / "state").tree
+      finally:
+        handler.close()
+    return dict(tree.get("train") or {})
 
   def _data_states_if_resplit(self, step: int) -> list | None:
     """The data-iterator states of all old processes when their count differs from now; None when it matches."""
@@ -243,3 +265,163 @@ def _train_fields(state: Any) -> dict[str, Any]:
   """The train state's own counters (everything but params, biases and optimiser state)."""
   return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
           if f.name not in ("params", "biases", "opt_state")}
+
+
+# --- gradient compression across resumes -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CarryPlan:
+  """What a resume makes of the checkpoint's gradient-compression state: the error-feedback residuals
+  [shards, *param] (0 shards: none) and the PowerSGD bases [*stack, columns, rank] (rank 0: none), saved (old) and
+  wanted by this run (new). Only the residuals' sum over shards enters the next step's sum, so it is kept:
+
+    same size     kept as saved (an exact resume), whatever the method (each is what compression still owes);
+    more shards   old shard i stays shard i, the new ones start at zero (Orbax zero-extends the saved rows);
+    fewer shards  old shard i is added into new shard ⌊i · new / old⌋ (consecutive groups);
+    none saved    zeros;   none wanted    dropped (what compression still owed is lost).
+
+  Bases do not depend on the data size: kept at the same rank, drawn afresh (as a new run draws them) otherwise."""
+  old_shards: int
+  new_shards: int
+  old_rank: int
+  new_rank: int
+  old_method: str
+  new_method: str
+  partial: bool  # the restore leaves saved entries out (residuals or bases this run does not take)
+
+  @property
+  def keep_residual(self) -> bool:
+    return bool(self.old_shards and self.new_shards)
+
+  @property
+  def keep_basis(self) -> bool:
+    return self.old_rank == self.new_rank > 0
+
+
+  @property
+  def loosened(self) -> tuple[str, ...]:
+    """Restore targets whose saved shape may differ from the target's: more shards than were saved."""
+    return ("grad_residual",) if self.keep_residual and self.old_shards < self.new_shards else ()
+
+  def target(self, train: dict) -> dict:
+    """The restore target of the `train` part: this run's, with the saved residual shape where they fold."""
+    train = dict(train)
+    if not self.keep_residual:
+      del train["grad_residual"]
+    elif self.old_shards > self.new_shards:  # each device reads whole old rows: its group when the sizes divide
+      def saved_shape(a):
+        spec = a.sharding.spec
+        split = spec[0] if self.old_shards % self.new_shards == 0 else None
+        sharding = jax.sharding.NamedSharding(a.sharding.mesh, jax.sharding.PartitionSpec(split, *spec[1:]))
+        return jax.ShapeDtypeStruct((self.old_shards, *a.shape[1:]), a.dtype, sharding=sharding)
+      train["grad_residual"] = jax.tree.map(saved_shape, train["grad_residual"])
+    if not self.keep_basis:
+      del train["grad_basis"]
+    return train
+
+  def finish(self, restored: dict, train: dict, abstract_params: Any, seed: int) -> dict:
+    """The restored `train` part completed for this run (`train`: its full restore target): residuals folded,
+    zeroed or dropped, bases kept or drawn afresh, each array made directly in its sharding."""
+    out = dict(restored)
+    shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
+    if not self.new_shards:
+      out["grad_residual"] = {}
+    elif not self.keep_residual:
+      zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), train["grad_residual"])
+      out["grad_residual"] = jax.jit(zeros, out_shardings=shardings(train["grad_residual"]))()
+    elif self.old_shards > self.new_shards:  # one leaf at a time, straight into its sharding
+      fold = lambda x, a: jax.jit(lambda x: fold_shards(x, self.new_shards), out_shardings=a.sharding)(x)
+      out["grad_residual"] = jax.tree.map(fold, restored["grad_residual"], train["grad_residual"])
+    if not self.new_rank:
+      out["grad_basis"] = {}
+    elif not self.keep_basis:
+      fresh = lambda: compression.init_basis(abstract_params, self.new_rank, seed)
+      out["grad_basis"] = jax.jit(fresh, out_shardings=shardings(train["grad_basis"]))()
+    return out
+
+  def line(self) -> str | None:
+    """One start-up line saying what happened, or None for an exact carry."""
+    old, new = self.old_shards, self.new_shards
+    residuals = f"the error-feedback residuals of {self.old_method} over data={old}"
+    parts = []
+    if self.keep_residual and old < new:
+      parts.append(f"{residuals} carried into data={new} (shard i kept, shards {old}-{new - 1} start at zero: "
+                   f"their sum is kept)")
+    elif self.keep_residual and old > new:
+      parts.append(f"{residuals} folded into data={new} (consecutive shards summed: their sum is kept)")
+    elif self.keep_residual and self.old_method != self.new_method:
+      parts.append(f"{residuals} kept for {self.new_method}")
+    elif old:
+      parts.append(f"{residuals} dropped ({_uncompressed_why(self.new_method)} now): the gradient they still "
+                   f"held back is lost")
+    elif new:
+      parts.append(f"the error-feedback residuals of {self.new_method} over data={new} started at zero (the "
+                   f"checkpoint has none: {_uncompressed_why(self.old_method)})")
+    if self.new_rank and not self.keep_basis:
+      parts.append(f"fresh PowerSGD bases of rank {self.new_rank}" +
+                   (f" (the checkpoint's are rank {self.old_rank})" if self.old_rank else ""))
+    elif self.old_rank and not self.new_rank:
+      parts.append(f"the PowerSGD bases of rank {self.old_rank} dropped")
+    elif self.keep_basis and parts:
+      parts.append(f"the PowerSGD bases of rank {self.new_rank} kept (they do not depend on the data size)")
+    return "resume: " + "; ".join(parts) if parts else None
+
+
+def carry_plan(saved_config: dict, saved_train: dict, train: dict, method: str) -> CarryPlan:
+  """The CarryPlan from the checkpoint's config and `train` array metadata to this run's `train` target."""
+  first = lambda tree: next(iter(jax.tree.leaves(tree or {})), None)
+  old_residual, new_residual = first(saved_train.get("grad_residual")), first(train["grad_residual"])
+  old_basis, new_basis = first(saved_train.get("grad_basis")), first(train["grad_basis"])
+  plan = CarryPlan(old_shards=old_residual.shape[0] if old_residual is not None else 0,
+                   new_shards=new_residual.shape[0] if new_residual is not None else 0,
+                   old_rank=old_basis.shape[-1] if old_basis is not None else 0,
+                   new_rank=new_basis.shape[-1] if new_basis is not None else 0,
+                   old_method=saved_config.get("train", {}).get("grad_compression", "none"), new_method=method,
+                   partial=False)
+  left_out = set(saved_train) & (set(train) - set(plan.target(train)))
+  return dataclasses.replace(plan, partial=bool(left_out))
+
+
+def _uncompressed_why(method: str) -> str:
+  return "train.grad_compression=none" if method == "none" else f"{method} on one data shard compresses nothing"
+
+
+def fold_shards(x_S: jax.Array, shards: int) -> jax.Array:
+  """Per-shard residuals [old, ...] → [shards, ...] with the same sum: old shard i added into ⌊i · shards / old⌋."""
+  old = x_S.shape[0]
+  if old % shards == 0:  # consecutive groups, each on the devices of its new shard
+    return x_S.reshape(shards, old // shards, *x_S.shape[1:]).sum(1)
+  return jax.ops.segment_sum(x_S, jnp.arange(old) * shards // old, shards, indices_are_sorted=True)
+
+
+# --- reading failures --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def reading(what: str, advice: str):
+  """Orbax reading a checkpoint: any failure becomes one UserError line, `what (its innermost cause); advice`.
+  A read that fails part-way leaves TensorStore reads in flight; when they complete they find Orbax's event loop
+  closed and each prints an unraisable `RuntimeError: Event loop is closed` traceback (until the interpreter
+  exits). Those, and only those, are silenced once a read has failed: the failed read's results are discarded
+  anyway."""
+  previous = sys.unraisablehook
+  sys.unraisablehook = functools.partial(_quiet_closed_loop, previous)
+  try:
+    yield
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 — Orbax and TensorStore raise bare Exceptions for unreadable data
+    raise UserError(f"{what} ({_innermost_line(e)}); {advice}") from None
+  sys.unraisablehook = previous  # the read finished: nothing is left in flight
+
+
+def _quiet_closed_loop(previous: Any, unraisable: Any) -> None:
+  if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+    return
+  previous(unraisable)
+
+
+def _innermost_line(e: BaseException) -> str:
+  """The first line of the innermost explicit cause of `e` (TensorStore's message under Orbax's wrappers)."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:240]

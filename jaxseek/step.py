@@ -254,9 +254,9 @@ def train_step(trainer: Trainer, cfg: config_lib.Config, state: TrainState,
   if not jax.tree.leaves(residual):
     specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.params)
     grads, ce_sum, mtp_sums, balance, loads = gradsum.once_per_step(gradients, summed, specs)(state.params, batch)
-  else:
+    grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+  else:  # unscaled per shard, before the residual is added
     grads, ce_sum, mtp_sums, balance, loads, residual, basis = _compressed_sum(gradients, trainer, cfg, state, batch)
-  grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
   opt_before = state.opt_state
   if cfg.train.optimizer_memory == "host":
     opt_before = jax.device_put(opt_before, jax.tree.map(lambda s: s.with_memory_kind("device"),
@@ -332,14 +332,19 @@ def _accepted_or_kept(state: TrainState, new: TrainState, opt_before, accept: ja
 def _compressed_sum(gradients: Callable, trainer: Trainer, cfg: config_lib.Config, state: TrainState,
                     batch: dict[str, jax.Array]):
   """`gradients` of each data shard's rows (a vmap over the shards), summed over `data` compressed with error
-  feedback (sharding/compression.py). Returns gradients(...)'s values for the whole batch, the new residual and
-  the new PowerSGD basis."""
+  feedback (sharding/compression.py). Returns gradients(...)'s values for the whole batch (the gradients divided
+  by the loss scale), the new residual and the new PowerSGD basis.
+
+  Each shard's gradient is divided by the float16 loss scale before its residual is added, so the residual is in
+  the gradient's own units and means the same after the scale halves or doubles. A step whose gradients overflow
+  gives a non-finite sum; such a step is not accepted and keeps the old residual (_accepted_or_kept)."""
   shards = jax.tree.leaves(state.grad_residual)[0].shape[0]
   split = jax.tree.map(lambda v: shard(v.reshape(shards, v.shape[0] // shards, *v.shape[1:]),
                                        ("data_shards", "batch")), batch)
   with rules.reserved(compression.AXIS):  # inside, "batch" no longer names the data axis: the vmap holds it
     grads_S, ce_sum, mtp_sums, balance, loads = jax.vmap(
         gradients, in_axes=(None, 0), spmd_axis_name=compression.AXIS)(state.params, split)
+  grads_S = jax.tree.map(lambda g: g / state.loss_scale, grads_S)
   specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.grad_residual)
   views = compression.matrix_views(trainer.abstract_state.params, cfg.train.powersgd_rank)
   start = cfg.train.powersgd_start_step

@@ -41,10 +41,11 @@ def prepare_run_dir(cfg: config_lib.Config) -> Path:
   return run_dir
 
 
-def restore_or_init(cfg: config_lib.Config, trainer: Trainer, ckpt: checkpoint_lib.Checkpointer,
+def restore_or_init(cfg: config_lib.Config, trainer: Trainer, ckpt: checkpoint_lib.Checkpointer | None,
                     batches: input_lib.GlobalBatches) -> TrainState:
-  """Resumes from the run's latest complete checkpoint, else starts from `checkpoint.load_from`, else fresh."""
-  step = ckpt.latest_step()
+  """Resumes from the run's latest complete checkpoint (`ckpt`: None when the run has none), else starts from
+  `checkpoint.load_from`, else fresh."""
+  step = ckpt.latest_step() if ckpt is not None else None
   if step is not None:
     state = ckpt.restore(step, trainer.abstract_state, trainer.state_shardings, batches.iterator)
     _log(f"resumed from step {step} ({ckpt.directory / str(step)})")
@@ -77,14 +78,19 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   check_setup(cfg, mesh)  # before the run directory is touched
   trainer = make_trainer(cfg, mesh)
   batches = input_lib.GlobalBatches(cfg, mesh)  # the data (and the evaluation set) opened before it is, too
+  # the state is restored before the run directory is written: a refused or unreadable checkpoint leaves it as it was
+  own = Path(cfg.train.run_dir) / "checkpoints"
+  ckpt = checkpoint_lib.Checkpointer(cfg, own) if own.is_dir() else None
   try:
     evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
+    state = restore_or_init(cfg, trainer, ckpt, batches)
     run_dir = prepare_run_dir(cfg)
   except BaseException:
+    if ckpt is not None:
+      ckpt.close()
     batches.close()
     raise
-  ckpt = checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
-  state = restore_or_init(cfg, trainer, ckpt, batches)
+  ckpt = ckpt or checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
   start = int(state.step)
   step_fn = faults.Aligned(compile_step(trainer, cfg, mesh), "train step", cfg.dist.init_timeout_s)
   # the model's own parameters and FLOPs, without the identity padding a pipeline may store

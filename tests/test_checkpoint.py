@@ -159,12 +159,16 @@ def test_spike_detection():
 
 
 def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
+  """A resume refused for another model names the key that differs, and a refused or unreadable checkpoint
+  leaves the run's config.yaml as it was (nothing is written before the state is restored)."""
   cfg = load_config("tiny-v3", "mesh.data=8", "train.steps=2", "checkpoint.async_save=false",
                     f"train.run_dir={tmp_path}")
   train_lib.run(cfg)
+  written = (tmp_path / "config.yaml").read_text()
   other = load_config("tiny-v3", "mesh.data=8", "model.vocab_size=272", "train.steps=4", f"train.run_dir={tmp_path}")
   with pytest.raises(UserError, match=r"model.vocab_size=264 but this run has model.vocab_size=272"):
     train_lib.run(other)
+  assert (tmp_path / "config.yaml").read_text() == written
   (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save that never finished
   assert checkpoint_lib.Checkpointer(cfg, tmp_path, read_only=True).latest_step() == 2
   for path in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
@@ -172,3 +176,30 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
       path.write_bytes(b"garbage")
   with pytest.raises(UserError, match="cannot be restored|corrupt"):
     train_lib.run(load_config("tiny-v3", "mesh.data=8", "train.steps=4", f"train.run_dir={tmp_path}"))
+  assert (tmp_path / "config.yaml").read_text() == written
+
+
+@pytest.fixture(scope="module")
+def truncated_run(tmp_path_factory):
+  """A run directory whose checkpoint's array store was cut short (its OCDBT manifest halved)."""
+  run_dir = tmp_path_factory.mktemp("truncated") / "run"
+  train_lib.run(load_config("tiny-v3", "mesh.data=8", "train.steps=1", "checkpoint.async_save=false",
+                            f"train.run_dir={run_dir}"))
+  manifest = run_dir / "checkpoints" / "1" / "state" / "manifest.ocdbt"
+  manifest.write_bytes(manifest.read_bytes()[:manifest.stat().st_size // 2])
+  return run_dir
+
+
+@pytest.mark.parametrize("command, repeats", [
+    (["-m", "jaxseek.generate", "--tokenizer", "byte", "--prompt", "a", "--max-new-tokens", "1"], 3),
+    (["-m", "jaxseek.train", "--config", str(CONFIGS / "tiny-v3.yaml"), "mesh.num_cpu_devices=8",
+      "train.steps=2"], 2)], ids=["generate", "train"])
+def test_truncated_checkpoint_ends_in_one_line(truncated_run, run_env, command, repeats):
+  """A checkpoint cut short ends the command with one line on stderr and exit status 2, every time: the reads
+  still in flight when Orbax gives up find its event loop closed, and their tracebacks (printed at random
+  moments, up to the interpreter's exit) are silenced."""
+  where = [f"train.run_dir={truncated_run}"] if "jaxseek.train" in command else ["--checkpoint", str(truncated_run)]
+  for _ in range(repeats):
+    out = subprocess.run([sys.executable, *command, *where], env=run_env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr[-3000:]
+    assert out.stderr.startswith("error: checkpoint ") and "corrupt" in out.stderr, out.stderr

@@ -174,15 +174,12 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32", dtype: st
                     for p, v in variables.items() if isinstance(v, kind)})
       if tree:
         abstract[name] = tree
-    try:
+    with checkpoint_lib.reading(f"checkpoint {path / 'checkpoints' / str(step)} cannot be read as the model of "
+                                f"{path / 'config.yaml'}", "it is incomplete, corrupt or another model's"):
       restored = manager.restore(step, args=ocp.args.Composite(
           # the layers of a padded pipeline layout are its first rows (the model config is config.yaml's)
           state=checkpoint_lib.restore_args(abstract, partial=True, resized=pipeline.STACKS),
           config=ocp.args.JsonRestore()))
-    except (ValueError, KeyError, FileNotFoundError) as e:
-      first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-      raise UserError(f"checkpoint {path / 'checkpoints' / str(step)} does not match {path / 'config.yaml'} "
-                      f"({first[:200]})") from None
   # layers saved in a circular pipeline's storage order go back to layer order
   arrays = pipeline.reorder(restored["state"], pipeline.stack_sizes(cfg.model),
                             pipeline.saved_layout(restored["config"] or {}), (1, 1))
