@@ -38,7 +38,7 @@ def run(name, overrides, devices=None, steps=STEPS):
 # m/(√v + eps) changes by up to that difference over eps, in steps: with eps = 1e-8 an entry that cancels to about
 # eps (-9.7e-9 on one device, -1.03e-8 pipelined) moves its weight 2.3e-5 apart in the first step, and 4 steps
 # later the gradient norms differ by 1.07e-5 (seed 0). eps = 1e-5 bounds that gain to ~2e-3 of a step (the same
-# case: 4e-7) and leaves AdamW as it is for every entry above 1e-5 (the median is 2.3e-3); nothing in the
+# case: 2.8e-6) and leaves AdamW as it is for every entry above 1e-5 (the median is 2.3e-3); nothing in the
 # pipeline reads it.
 EXACT = ("optim.eps=1e-5",)
 
