@@ -240,12 +240,14 @@ def compiled_wire_bytes(*overrides, shards=SHARDS):
 
 def test_compressed_sums_send_a_fraction_of_the_bytes_at_any_data_size():
   """From the compiled step's collectives on 4 data shards (the ratios hold at any size: both phases send
-  (n − 1)/n of the block): int8 ≤ 0.3×, bf16 ≤ 0.55×, PowerSGD rank 4 ≤ 0.1× the float32 all-reduce; the count
+  (n − 1)/n of the block): int8 ≤ 0.3×, bf16 ≤ 0.55×, PowerSGD rank 4 ≤ 0.12× the float32 all-reduce; the count
   the explorer and the start-up line use equals the compiled bytes within 1%."""
   none, none_counted, coll = compiled_wire_bytes()
   assert set(coll) == {"all-reduce"}
   assert none_counted == pytest.approx(none, rel=1e-3)
-  for method, ceiling in (("int8", 0.3), ("bf16", 0.55), ("powersgd", 0.1)):
+  # powersgd: rank-4 factors of the layers' matrices, and the embedding and head (a third of this model's values,
+  # vocabulary 512 × 128) as int8: 0.25 × 1/3 + the factors
+  for method, ceiling in (("int8", 0.3), ("bf16", 0.55), ("powersgd", 0.12)):
     got, counted, coll = compiled_wire_bytes(f"train.grad_compression={method}")
     assert got / none <= ceiling, (method, got / none)
     assert counted == pytest.approx(got, rel=0.01), (method, coll)
@@ -257,8 +259,8 @@ def test_powersgd_step_sums_the_projection_of_the_exact_gradient():
   """tiny-v3 (MoE) over data 2 × expert 2 × tensor 2, rank 2, two steps: for each matrix PowerSGD compresses, the
   gradient the optimiser receives is M = the exact gradient (the uncompressed step's, at the same parameters) +
   the residuals carried in, projected on the columns of M·Q with Q the carried basis (`projected`, float64): its
-  error between Eckart–Young's tail and ||M||_F; every other leaf is the exact gradient; what the residuals keep
-  is exactly what was dropped."""
+  error between Eckart–Young's tail and ||M||_F; the embedding and head are int8 sums; every other leaf is the
+  exact gradient; what the residuals keep is exactly what was dropped."""
   from test_gradsum import REASSOCIATION, recorded_steps
 
   mesh = ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2")
@@ -268,6 +270,8 @@ def test_powersgd_step_sums_the_projection_of_the_exact_gradient():
   exact = recorded_steps("tiny-v3", mesh, steps=2, state_fn=same_point)[0]
   views = compression.matrix_views(trainer.abstract_state.params, 2)
   assert views and views.keys() == psgd[0]["basis"].keys()
+  quantised = {k for k in psgd[0]["grads"] if k.startswith(("embed", "head"))}
+  assert len(quantised) == 2 and not quantised & views.keys()
   carried = {k: 0.0 for k in psgd[0]["grads"]}
   worst = 0.0
   for t, (got, want) in enumerate(zip(psgd, exact)):
@@ -276,6 +280,12 @@ def test_powersgd_step_sums_the_projection_of_the_exact_gradient():
       scale = np.abs(M).max()
       kept = got["residual"][key].sum(0)
       np.testing.assert_allclose(g + kept, M, atol=REASSOCIATION * scale, err_msg=key)  # nothing lost
+      if key in quantised:  # the embedding and head go int8: two roundings of at most half a step of a block's
+        # max each, on blocks of two shards' values (their max ≤ twice the sum's here), so within 2/127 of the
+        # leaf's max; and not exact
+        err = np.abs(g - M).max() / scale
+        assert 0 < err <= 2 / 127, (key, err)
+        continue
       if key not in views:
         np.testing.assert_allclose(g, M, atol=REASSOCIATION * scale, err_msg=key)
         continue

@@ -173,7 +173,8 @@ def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
   if compressed:  # the data-axis gradient sum goes compressed (sharding/compression.py), once per step
     method = cfg.train.grad_compression
     kind = "all-reduce" if method == "powersgd" else "all-to-all+all-gather"
-    what = (f"PowerSGD rank-{cfg.train.powersgd_rank} factors P and Q (float32; vectors whole), once per step"
+    what = (f"PowerSGD rank-{cfg.train.powersgd_rank} factors P and Q (float32; embedding, head int8, vectors "
+            "whole), once per step"
             if method == "powersgd" else f"gradients as {method}, reduce-scattered (all-to-all) then all-gathered, "
             "once per step")
     nbytes = compression_bytes(model, sizes, stage, stages, method)

@@ -29,8 +29,10 @@ rows × columns where the matrix is nearest to square. With M = g + e on each sh
   (all-reduce);  sum = P·Qᵀ;  e ← M − P·Q_sᵀ (each shard's own part);  Q is kept for the next step (warm start).
 
   Orthonormalising Q first (a QR of [n, r], no communication) keeps the power step exact at full rank even when a
-  gradient of lower rank left Q degenerate. Matrices whose factors, r(rows + columns) values, would be more than
-  half their own (MIN_RATE, as PyTorch's PowerSGD hook), and vectors, are summed in float32. Bytes: 2(n − 1)/n · 4 · r(rows + columns) per matrix.
+  gradient of lower rank left Q degenerate. Bytes: 2(n − 1)/n · 4 · r(rows + columns) per matrix. The embedding
+  and the output head (indexed by the vocabulary: full-rank gradients) go int8 in the two phases above, with
+  their own error feedback; so do matrices whose factors, r(rows + columns) values, would be more than half their
+  own (MIN_RATE, as PyTorch's PowerSGD hook); leaves too small for the two phases are summed in float32.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ AXIS = "data"
 METHODS = ("none", "bf16", "int8", "powersgd")
 BLOCK = 256  # int8: values per float32 scale
 BATCH_AXES = ("layers", "experts")  # powersgd: leading logical axes that index separate matrices
+FULL_RANK_AXES = ("vocab",)  # powersgd: the embedding and the output head, whose gradients are of full rank, go int8
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 products (no TF32 on GPUs)
 
 
@@ -64,19 +67,16 @@ def reduce(grads_S: Any, residual_S: Any, method: str, specs: Any, basis: Any = 
   if method == "powersgd":
     flat_basis = _flat(basis)
     v = [g + e for g, e in zip(leaves, residuals)]
-    low = [i for i, k in enumerate(keys) if k in views]
 
-    def low_rank(vs):
-      return [_powersgd(x, flat_basis[keys[i]], views[keys[i]], specs[i]) for i, x in zip(low, vs)]
+    def low_rank(vs):  # the matrices low-rank, the rest as int8 in two phases (or float32 when small)
+      return [_powersgd(x, flat_basis[k], views[k], spec) if (k := keys[i]) in views else
+              (*_two_phase(x, spec, "int8"), None) for i, (x, spec) in enumerate(zip(vs, specs))]
 
     def whole(vs):
-      return [(*_plain(x, specs[i])[:2], flat_basis[keys[i]]) for i, x in zip(low, vs)]
+      return [(*_plain(x, spec)[:2], flat_basis.get(keys[i])) for i, (x, spec) in enumerate(zip(vs, specs))]
 
-    picked = low_rank([v[i] for i in low]) if uncompressed is None else \
-        jax.lax.cond(uncompressed, whole, low_rank, [v[i] for i in low])
-    by_leaf = dict(zip(low, picked))
-    out = [by_leaf[i] if i in by_leaf else _plain(x, spec) for i, (x, spec) in enumerate(zip(v, specs))]
-    new_basis = _nest({keys[i]: o[2] for i, o in zip(low, picked)})
+    out = low_rank(v) if uncompressed is None else jax.lax.cond(uncompressed, whole, low_rank, v)
+    new_basis = _nest({k: o[2] for k, o in zip(keys, out) if k in views})
   elif method in ("bf16", "int8"):
     out = [(*_two_phase(g + e, spec, method), None) for g, e, spec in zip(leaves, residuals, specs)]
     new_basis = basis
@@ -179,15 +179,22 @@ def compressed_view(view: tuple[int, int, int] | None, rank: int) -> bool:
   return view is not None and MIN_RATE * rank * (view[1] + view[2]) <= view[1] * view[2]
 
 
+def low_rank_leaf(shape: tuple[int, ...], logical_axes: tuple, rank: int) -> bool:
+  """Whether PowerSGD sends a parameter as low-rank factors: a matrix that saves (`compressed_view`) and is not
+  indexed by the vocabulary (a batch of tokens touches most rows of the embedding and every column of the head:
+  full-rank gradients that rank r approximates badly; those go int8)."""
+  return compressed_view(matrix_view(shape, logical_axes), rank) and not set(logical_axes) & set(FULL_RANK_AXES)
+
+
 def matrix_views(abstract_params: Any, rank: int) -> dict[str, tuple[int, int, int]]:
   """{parameter path: its `matrix_view`} of the parameters PowerSGD compresses at `rank`."""
   from jaxseek.sharding import rules
 
   out = {}
   for path, x in jax.tree_util.tree_leaves_with_path(abstract_params, is_leaf=rules.is_variable):
-    view = matrix_view(tuple(x.shape), tuple(x.get_metadata()["logical_axes"]))
-    if compressed_view(view, rank):
-      out[_key(path)] = view
+    shape, axes = tuple(x.shape), tuple(x.get_metadata()["logical_axes"])
+    if low_rank_leaf(shape, axes, rank):
+      out[_key(path)] = matrix_view(shape, axes)
   return out
 
 
@@ -264,9 +271,11 @@ def step_bytes(leaves: list[tuple[tuple[int, ...], tuple, int]], shards: int, me
   for shape, axes, local in leaves:
     if method in ("bf16", "int8"):
       total += wire_bytes(local, shards, method if two_phase_leaf(local, shards, method) else "none")
-    elif method == "powersgd" and compressed_view(view := matrix_view(shape, axes), rank):
-      b, m, n = view
+    elif method == "powersgd" and low_rank_leaf(shape, axes, rank):
+      b, m, n = matrix_view(shape, axes)
       total += wire_bytes(local / (m * n) * rank * (m + n), shards, "none")  # P and Q, float32
+    elif method == "powersgd":  # the rest as int8
+      total += wire_bytes(local, shards, "int8" if two_phase_leaf(local, shards, "int8") else "none")
     else:
       total += wire_bytes(local, shards, "none", itemsize if method == "none" else 4)
   return total
