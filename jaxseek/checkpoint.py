@@ -288,6 +288,7 @@ class CarryPlan:
   old_method: str
   new_method: str
   partial: bool  # the restore leaves saved entries out (residuals or bases this run does not take)
+  saved_empty: frozenset = frozenset()  # entries saved as empty trees: restored as such where this run has none
 
   @property
   def keep_residual(self) -> bool:
@@ -297,7 +298,6 @@ class CarryPlan:
   def keep_basis(self) -> bool:
     return self.old_rank == self.new_rank > 0
 
-
   @property
   def loosened(self) -> tuple[str, ...]:
     """Restore targets whose saved shape may differ from the target's: more shards than were saved."""
@@ -306,7 +306,8 @@ class CarryPlan:
   def target(self, train: dict) -> dict:
     """The restore target of the `train` part: this run's, with the saved residual shape where they fold."""
     train = dict(train)
-    if not self.keep_residual:
+    empty = lambda key: key in self.saved_empty and not jax.tree.leaves(train[key])  # {} on both sides
+    if not self.keep_residual and not empty("grad_residual"):
       del train["grad_residual"]
     elif self.old_shards > self.new_shards:  # each device reads whole old rows: its group when the sizes divide
       def saved_shape(a):
@@ -315,7 +316,7 @@ class CarryPlan:
         sharding = jax.sharding.NamedSharding(a.sharding.mesh, jax.sharding.PartitionSpec(split, *spec[1:]))
         return jax.ShapeDtypeStruct((self.old_shards, *a.shape[1:]), a.dtype, sharding=sharding)
       train["grad_residual"] = jax.tree.map(saved_shape, train["grad_residual"])
-    if not self.keep_basis:
+    if not self.keep_basis and not empty("grad_basis"):
       del train["grad_basis"]
     return train
 
@@ -377,7 +378,7 @@ def carry_plan(saved_config: dict, saved_train: dict, train: dict, method: str) 
                    old_rank=old_basis.shape[-1] if old_basis is not None else 0,
                    new_rank=new_basis.shape[-1] if new_basis is not None else 0,
                    old_method=saved_config.get("train", {}).get("grad_compression", "none"), new_method=method,
-                   partial=False)
+                   partial=False, saved_empty=frozenset(k for k, v in saved_train.items() if not jax.tree.leaves(v)))
   left_out = set(saved_train) & (set(train) - set(plan.target(train)))
   return dataclasses.replace(plan, partial=bool(left_out))
 
