@@ -160,10 +160,15 @@ class Checkpointer:
     names = tuple(n for n in names if n != "biases" or jax.tree.leaves(abstract_state.biases))
     target = pipeline.layout(self.cfg, _pipeline_size(shardings.params))
     resized = pipeline.resized_stacks(self.cfg.model, source, target)
+    saved_arrays = self.saved_arrays(step)
+    for name in ("params", "biases"):  # a config that does not describe its arrays: named before Orbax reads
+      if name in names and (what := _shape_mismatch(targets[name], saved_arrays.get(name), resized)):
+        raise UserError(f"checkpoint {self.directory / str(step)} holds {name} {what}: it was written for another "
+                        f"model than its saved config says; use a matching config or another train.run_dir")
     plan = None
     if not params_only:
       train_target = abstract_with_shardings(_train_fields(abstract_state), _train_fields(shardings))
-      plan = carry_plan(saved, self.saved_train(step), train_target, self.cfg.train.grad_compression)
+      plan = carry_plan(saved, dict(saved_arrays.get("train") or {}), train_target, self.cfg.train.grad_compression)
       targets["train"] = plan.target(train_target)
       resized += plan.loosened
     items = {"state": restore_args({n: targets[n] for n in names}, partial=params_only or plan.partial,
@@ -196,8 +201,8 @@ class Checkpointer:
       print(line, flush=True)
     return dataclasses.replace(abstract_state, **values)
 
-  def saved_train(self, step: int) -> dict:
-    """The array metadata (shape, dtype) of the train-state counters saved at `step` (its `train` part)."""
+  def saved_arrays(self, step: int) -> dict:
+    """The array metadata (shape, dtype) of every part of the train state saved at `step`."""
     with reading(f"checkpoint {self.directory / str(step)} has unreadable array metadata",
                  "it is incomplete or corrupt: delete that step folder to resume from an earlier one"):
       handler = ocp.PyTreeCheckpointHandler()
@@ -205,7 +210,7 @@ class Checkpointer:
         tree = handler.metadata(self.directory / str(step) / "state").tree
       finally:
         handler.close()
-    return dict(tree.get("train") or {})
+    return dict(tree)
 
   def _data_states_if_resplit(self, step: int) -> list | None:
     """The data-iterator states of all old processes when their count differs from now; None when it matches."""
@@ -381,6 +386,18 @@ def carry_plan(saved_config: dict, saved_train: dict, train: dict, method: str) 
                    partial=False, saved_empty=frozenset(k for k, v in saved_train.items() if not jax.tree.leaves(v)))
   left_out = set(saved_train) & (set(train) - set(plan.target(train)))
   return dataclasses.replace(plan, partial=bool(left_out))
+
+
+def _shape_mismatch(target: Any, saved: Any, loose: tuple[str, ...]) -> str | None:
+  """`path is (saved shape) there, (target shape) here` for the first leaf of `target` whose saved shape differs
+  (leaves under the stacks in `loose` may: pipeline padding), else None."""
+  shapes = {jax.tree_util.keystr(p): tuple(m.shape)
+            for p, m in jax.tree_util.tree_leaves_with_path(saved or {}) if hasattr(m, "shape")}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+    old = shapes.get(jax.tree_util.keystr(path))
+    if old is not None and old != tuple(leaf.shape) and not {getattr(k, "key", None) for k in path} & set(loose):
+      return f"{'/'.join(str(getattr(k, 'key', k)) for k in path)} as {old} where this model has {tuple(leaf.shape)}"
+  return None
 
 
 def _uncompressed_why(method: str) -> str:

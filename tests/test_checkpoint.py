@@ -1,5 +1,6 @@
 """Checkpoints and faults: exact resume after SIGKILL and SIGTERM, resharding, bad steps, integrity."""
 
+import json
 import os
 import random
 import signal
@@ -159,8 +160,9 @@ def test_spike_detection():
 
 
 def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
-  """A resume refused for another model names the key that differs, and a refused or unreadable checkpoint
-  leaves the run's config.yaml as it was (nothing is written before the state is restored)."""
+  """A resume refused for another model names the key that differs (a saved config that does not describe its
+  arrays: the first array whose shape differs), and a refused or unreadable checkpoint leaves the run's
+  config.yaml as it was (nothing is written before the state is restored)."""
   cfg = load_config("tiny-v3", "mesh.data=8", "train.steps=2", "checkpoint.async_save=false",
                     f"train.run_dir={tmp_path}")
   train_lib.run(cfg)
@@ -169,6 +171,13 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
   with pytest.raises(UserError, match=r"model.vocab_size=264 but this run has model.vocab_size=272"):
     train_lib.run(other)
   assert (tmp_path / "config.yaml").read_text() == written
+  saved = tmp_path / "checkpoints" / "2" / "config" / "metadata"  # a saved config that does not describe the arrays
+  kept = saved.read_text()
+  saved.write_text(json.dumps({**json.loads(kept), "model": {**json.loads(kept)["model"], "vocab_size": 272}}))
+  trainer = step_lib.make_trainer(other, make_mesh(other))
+  with pytest.raises(UserError, match=r"holds params embed/table_VD as \(264, 40\) where this model has \(272, 40\)"):
+    checkpoint_lib.Checkpointer(other, tmp_path).restore(2, trainer.abstract_state, trainer.state_shardings, None)
+  saved.write_text(kept)
   (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save that never finished
   assert checkpoint_lib.Checkpointer(cfg, tmp_path, read_only=True).latest_step() == 2
   for path in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
