@@ -164,10 +164,11 @@ def test_kernels_inside_pipeline_stages_gather_no_activations():
   assert gathered["auto"] == gathered["blocked"]
 
 
-@pytest.mark.parametrize("method, ratio", [("int8", 0.26), ("powersgd", 0.01)])
+@pytest.mark.parametrize("method, ratio", [("int8", 0.26), ("powersgd", 0.065)])
 def test_compressed_gradient_sums_send_their_fraction_on_8_h200s(method, ratio):
   """4-layer bench-v3-1b, data 8, compiled for 8 H200s: every collective spans data and the step sends the
-  compressed fraction of the float32 all-reduce (measured 0.254× and 0.0076×). The attention kernels run on each
+  compressed fraction of the float32 all-reduce (int8 measured 0.254×; powersgd counted 0.0596×: rank-4 factors
+  and the embedding and head as int8). The attention kernels run on each
   device's rows inside the vmap over data shards (they were left to GSPMD there, which all-gathered q, k and v
   over data: 1.5 GB per device per step)."""
   from jaxseek.explore import compile as explore_compile
