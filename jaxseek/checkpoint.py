@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -419,8 +420,8 @@ def reading(what: str, advice: str):
   """Orbax reading a checkpoint: any failure becomes one UserError line, `what (its innermost cause); advice`.
   A read that fails part-way leaves TensorStore reads in flight; when they complete they find Orbax's event loop
   closed and each prints an unraisable `RuntimeError: Event loop is closed` traceback (until the interpreter
-  exits). Those, and only those, are silenced once a read has failed: the failed read's results are discarded
-  anyway."""
+  exits), and those that fail themselves are logged by asyncio as "Task exception was never retrieved". Those,
+  and only those, are silenced once a read has failed: the failed read's results are discarded anyway."""
   previous = sys.unraisablehook
   sys.unraisablehook = functools.partial(_quiet_closed_loop, previous)
   try:
@@ -428,8 +429,14 @@ def reading(what: str, advice: str):
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 — Orbax and TensorStore raise bare Exceptions for unreadable data
+    # the other reads of the failed restore fail too, later, in tasks nobody awaits: asyncio logs each one
+    logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
     raise UserError(f"{what} ({_innermost_line(e)}); {advice}") from None
   sys.unraisablehook = previous  # the read finished: nothing is left in flight
+
+
+def _drop_unretrieved_task_errors(record: logging.LogRecord) -> bool:
+  return not str(record.msg).startswith("Task exception was never retrieved")
 
 
 def _quiet_closed_loop(previous: Any, unraisable: Any) -> None:
