@@ -7,7 +7,7 @@ query attention 128/128, causal, packed documents); experts: tokamax's grouped G
 ragged_all_to_all vs the fixed-slot all_to_all path (one GPU's expert axis); loss: chunked vs full logits;
 attention memory: the compiled temporaries of value and gradients for packed documents at two lengths, per
 kernel (cuDNN's dense mask grows with the square of the length, the others linearly). Kernels this GPU's compute
-capability cannot run (kernels.attention_kind / matmul_kind refuse them) are reported as skipped. Prints one line
+capability cannot run (choice.attention_kind / matmul_kind refuse them) are reported as skipped. Prints one line
 per check and appends JSON lines; exits 1 if any check fails.
 """
 
@@ -22,8 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxseek.model import flash, kernels, loss as loss_lib, moe
-from jaxseek.model.attention import dense_attention
+from jaxseek.errors import UserError
+from jaxseek.kernels import choice, flash, gpu, grouped
+from jaxseek.kernels.attention import dense_attention
+from jaxseek.model import loss as loss_lib
+from jaxseek.sharding import experts
 
 
 def rel_err(got, want) -> float:
@@ -56,7 +59,7 @@ def attention_cases():
         if impl == "blocked":
           fn = lambda q, k, v: flash.attention(q, k, v, seg, K**-0.5)
         else:
-          fn = lambda q, k, v, impl=impl: kernels.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
+          fn = lambda q, k, v, impl=impl: gpu.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
         yield f"attention {impl} {name}{' packed' if packed else ''}", fn, ref, (q, k, v), 2e-2
 
 
@@ -67,9 +70,9 @@ def expert_cases():
   x = jax.random.normal(ks[0], (R, D), jnp.bfloat16)
   ws = [(jax.random.normal(kk, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
         for kk, s in zip(ks[1:], [(E, D, M), (E, D, M), (E, M, D)])]
-  ref = lambda x, *w: moe.ffn_blocked(x, sizes, *w)
+  ref = lambda x, *w: grouped.ffn_blocked(x, sizes, *w)
   for impl in ("mosaic", "triton"):
-    yield f"experts tokamax {impl}", lambda x, *w, impl=impl: moe.ffn_tokamax(x, sizes, *w, implementation=impl), \
+    yield f"experts tokamax {impl}", lambda x, *w, impl=impl: grouped.ffn_tokamax(x, sizes, *w, implementation=impl), \
         ref, (x, *ws), 2e-2
 
 
@@ -84,13 +87,14 @@ def dispatch_cases():
   ws = [(jax.random.normal(kk, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
         for kk, s in zip(ks[3:], [(E, D, M), (E, D, M), (E, M, D)])]
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-  cap = moe.capacity(X, K, 1, E, None)
-  rows = moe.receive_rows(X, K, 1, cap, 2.0)
+  cap = experts.capacity(X, K, 1, E, None)
+  rows = experts.receive_rows(X, K, 1, cap, 2.0)
   on_mesh = lambda f: lambda x, w, *ws: jax.shard_map(lambda *a: f(a[0], idx, *a[1:])[0], mesh=mesh,
                                                         in_specs=jax.P(), out_specs=jax.P(), check_vma=False)(x, w, *ws)
   for fp8 in (False, True):
-    fixed = on_mesh(lambda *a, fp8=fp8: moe.experts_parallel(*a, ("expert",), 1, cap, "auto", fp8))
-    ragged = on_mesh(lambda *a, fp8=fp8: moe.experts_parallel_ragged(*a, ("expert",), 1, cap, rows, "auto", fp8))
+    fixed = on_mesh(lambda *a, fp8=fp8: experts.experts_parallel(*a, ("expert",), 1, cap, fp8_dispatch=fp8))
+    ragged = on_mesh(lambda *a, fp8=fp8: experts.experts_parallel_ragged(*a, ("expert",), 1, cap, rows,
+                                                                          fp8_dispatch=fp8))
     yield f"dispatch ragged vs fixed{' fp8' if fp8 else ''}", ragged, fixed, (x, weights, *ws), 2e-2
 
 
@@ -115,7 +119,7 @@ def attention_memory(impl: str, T: int, B: int = 1, N: int = 16, K: int = 192, P
   if impl == "blocked":
     fn = lambda q, k, v, seg: flash.attention(q, k, v, seg, K**-0.5)
   else:
-    fn = lambda q, k, v, seg: kernels.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
+    fn = lambda q, k, v, seg: gpu.tokamax_attention(q, k, v, seg, K**-0.5, implementation=impl)
   loss = lambda q, k, v, seg: fn(q, k, v, seg).astype(jnp.float32).sum()
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, seg).compile()
   return compiled.memory_analysis().temp_size_in_bytes
@@ -131,15 +135,15 @@ def memory_rows(runs):
 
 def can_run(name: str) -> str | None:
   """Why this GPU cannot run check `name`'s kernel (None: it can)."""
-  cc = kernels.capability()
+  cc = choice.capability()
   try:
     for impl in ("mosaic", "triton", "cudnn"):
       if f"attention {impl}" in name:
-        kernels.attention_kind(impl, 1024, "gpu", jnp.bfloat16, capability=cc,
+        choice.attention_kind(impl, 1024, "gpu", jnp.bfloat16, capability=cc,
                                head_dims=(192, 128) if "mla" in name else (128, 128))
     if "experts tokamax" in name:
-      kernels.matmul_kind("tokamax" if "mosaic" in name else "tokamax_triton", "gpu", jnp.bfloat16, capability=cc)
-  except kernels.UserError as e:
+      choice.matmul_kind("tokamax" if "mosaic" in name else "tokamax_triton", "gpu", jnp.bfloat16, capability=cc)
+  except UserError as e:
     return str(e)
   return None
 

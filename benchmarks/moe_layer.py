@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxseek.config import ModelConfig
+from jaxseek.kernels import grouped
 from jaxseek.model import moe as moe_lib
 from jaxseek.model.layers import MLP
 
@@ -41,7 +42,7 @@ def routed_by_ragged_dot(layer: moe_lib.MoE, x_BTD: jax.Array) -> jax.Array:
   K, E = idx_XK.shape[1], layer.w_gate_EDM.shape[0]
   order = jnp.argsort(idx_XK.reshape(-1), stable=True)
   sizes_E = jnp.bincount(idx_XK.reshape(-1), length=E).astype(jnp.int32)
-  y_sorted = moe_lib.ffn_ragged(x_XD[order // K], sizes_E, layer.w_gate_EDM[...], layer.w_up_EDM[...],
+  y_sorted = grouped.ffn_ragged(x_XD[order // K], sizes_E, layer.w_gate_EDM[...], layer.w_up_EDM[...],
                                 layer.w_down_EMD[...]) * weights_XK.reshape(-1)[order][:, None]
   y_XD = jnp.zeros_like(x_XD).at[order // K].add(y_sorted)
   return y_XD.reshape(B, T, D) + layer.shared(x_BTD)

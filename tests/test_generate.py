@@ -29,7 +29,7 @@ def tiny(name: str, *overrides: str):
 def test_cached_decode_equals_full_forward(name, impl, monkeypatch):
   """Prefill 5 tokens (row 1 left-padded by 2), then decode 6 one at a time: each step's logits equal the full
   forward pass's at that position. The prefill attends through model.attention_impl (blocked: flash.attention)."""
-  from jaxseek.model import flash
+  from jaxseek.kernels import flash
 
   calls = []
   real = flash.attention

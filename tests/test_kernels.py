@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jaxseek import config as config_lib
-from jaxseek.model import flash, kernels, loss as loss_lib, moe
-from jaxseek.model.attention import dense_attention
+from jaxseek.kernels import choice, flash, gpu, grouped
+from jaxseek.kernels.attention import dense_attention
+from jaxseek.model import loss as loss_lib
 
 B, T = 2, 48
 # packed rows: three documents, and one document with trailing padding (segment 0)
@@ -109,10 +110,10 @@ def test_tokamax_mask_from_segments_equals_dense(packed):
   pytest.importorskip("tokamax")
   q, k, v, w = qkv(4, 4, 12, 8)
   seg = jnp.asarray(SEGMENTS) if packed else None
-  got = value_and_grads(lambda q, k, v: kernels.tokamax_attention(q, k, v, seg, 0.3, implementation="xla_chunked"),
+  got = value_and_grads(lambda q, k, v: gpu.tokamax_attention(q, k, v, seg, 0.3, implementation="xla_chunked"),
                         q, k, v, w)
   assert_same(got, value_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, 0.3), q, k, v, w), 2e-5)
-  sliced = kernels.tokamax_attention(q[:, 16:32], k, v, seg[:, 16:32] if packed else None, 0.3,
+  sliced = gpu.tokamax_attention(q[:, 16:32], k, v, seg[:, 16:32] if packed else None, 0.3,
                                      seg, 16, implementation="xla") if packed else None
   if packed:
     np.testing.assert_allclose(sliced, dense_attention(q[:, 16:32], k, v, seg[:, 16:32], 0.3, seg, 16), atol=2e-6)
@@ -127,30 +128,30 @@ def test_tokamax_queries_padded_to_whole_blocks_equal_dense(packed):
   T = 40
   q, k, v, w = q[:, :T], k[:, :T], v[:, :T], w[:, :T]
   seg = jnp.asarray(SEGMENTS)[:, :T] if packed else None
-  got = value_and_grads(lambda q, k, v: kernels.tokamax_attention(q, k, v, seg, 0.3, implementation="xla",
+  got = value_and_grads(lambda q, k, v: gpu.tokamax_attention(q, k, v, seg, 0.3, implementation="xla",
                                                                   pad_to=16), q, k, v, w)
   assert_same(got, value_and_grads(lambda q, k, v: dense_attention(q, k, v, seg, 0.3), q, k, v, w), 2e-5)
   part = slice(16, 30)  # 14 queries at offset 16 over all 40 keys (context parallelism's gather path)
-  sliced = kernels.tokamax_attention(q[:, part], k, v, None if seg is None else seg[:, part], 0.3, seg, 16,
+  sliced = gpu.tokamax_attention(q[:, part], k, v, None if seg is None else seg[:, part], 0.3, seg, 16,
                                      implementation="xla", pad_to=16)
   want = dense_attention(q[:, part], k, v, None if seg is None else seg[:, part], 0.3, seg, 16)
   np.testing.assert_allclose(sliced, want, atol=2e-6)
 
 
 def test_segment_starts():
-  np.testing.assert_array_equal(kernels.segment_starts(jnp.asarray([[1, 1, 2, 2, 2, 0]])), [[0, 0, 2, 2, 2, 5]])
+  np.testing.assert_array_equal(gpu.segment_starts(jnp.asarray([[1, 1, 2, 2, 2, 0]])), [[0, 0, 2, 2, 2, 5]])
 
 
 def test_kernel_choice_follows_the_mesh_platform():
-  assert kernels.attention_kind("auto", 4096, "cpu") == "blocked"
-  assert kernels.attention_kind("auto", 256, "cpu") == "dense"  # one block: the same computation
-  assert kernels.matmul_kind("auto", "cpu") == "blocked" and kernels.matmul_kind("auto", "tpu") == "ragged_dot"
+  assert choice.attention_kind("auto", 4096, "cpu") == "blocked"
+  assert choice.attention_kind("auto", 256, "cpu") == "dense"  # one block: the same computation
+  assert choice.matmul_kind("auto", "cpu") == "blocked" and choice.matmul_kind("auto", "tpu") == "ragged_dot"
   with pytest.raises(config_lib.UserError, match="model.attention_impl"):
-    kernels.attention_kind("mosaic", 4096, "cpu")
+    choice.attention_kind("mosaic", 4096, "cpu")
   with pytest.raises(config_lib.UserError, match="bfloat16"):
-    kernels.matmul_kind("tokamax", "gpu", jnp.float32, capability=9.0)
+    choice.matmul_kind("tokamax", "gpu", jnp.float32, capability=9.0)
   with pytest.raises(config_lib.UserError, match="model.moe_matmul"):
-    kernels.matmul_kind("tokamax", "cpu")
+    choice.matmul_kind("tokamax", "cpu")
 
 
 # (compute capability, dtype) → what auto picks with tokamax installed: Mosaic GPU attention on sm_90/sm_100 with
@@ -165,18 +166,18 @@ AUTO_ON_GPU = [((8.0, jnp.bfloat16), ("triton", "tokamax_triton")), ((8.6, jnp.b
 @pytest.mark.parametrize("where, picks", AUTO_ON_GPU)
 def test_auto_picks_the_kernels_the_gpu_can_run(where, picks):
   cc, dtype = where
-  got = (kernels.attention_kind("auto", 4096, "gpu", dtype, tokamax=True, capability=cc),
-         kernels.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc))
+  got = (choice.attention_kind("auto", 4096, "gpu", dtype, tokamax=True, capability=cc),
+         choice.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc))
   assert got == picks
   if cc == 10.0:  # tokamax's sm_100 Mosaic attention fits head dims of 64 at most in shared memory
-    assert kernels.attention_kind("auto", 4096, "gpu", dtype, True, cc, (192, 128)) == "triton"
-    assert kernels.attention_kind("auto", 4096, "gpu", dtype, True, cc, (64, 64)) == "mosaic"
+    assert choice.attention_kind("auto", 4096, "gpu", dtype, True, cc, (192, 128)) == "triton"
+    assert choice.attention_kind("auto", 4096, "gpu", dtype, True, cc, (64, 64)) == "mosaic"
   if picks[1] == "tokamax":  # widths that are not whole tiles of 64 go to Triton
-    assert kernels.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc, dims=(40, 20)) == "tokamax_triton"
-    assert kernels.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc, dims=(2048, 512)) == "tokamax"
+    assert choice.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc, dims=(40, 20)) == "tokamax_triton"
+    assert choice.matmul_kind("auto", "gpu", dtype, tokamax=True, capability=cc, dims=(2048, 512)) == "tokamax"
   # without tokamax auto takes XLA's paths on any GPU
-  assert (kernels.attention_kind("auto", 4096, "gpu", dtype, tokamax=False, capability=cc),
-          kernels.matmul_kind("auto", "gpu", dtype, tokamax=False, capability=cc)) == ("blocked", "blocked")
+  assert (choice.attention_kind("auto", 4096, "gpu", dtype, tokamax=False, capability=cc),
+          choice.matmul_kind("auto", "gpu", dtype, tokamax=False, capability=cc)) == ("blocked", "blocked")
 
 
 # a kernel asked for by name on a GPU that cannot run it: (setting key, value, capability, head dims, message)
@@ -198,33 +199,33 @@ REFUSED_ON_GPU = [("attention", "mosaic", 8.0, None, "mosaic .*sm_90 and sm_100.
 def test_a_kernel_the_gpu_cannot_run_is_refused_in_one_line(which, setting, cc, heads, message):
   with pytest.raises(config_lib.UserError, match=message) as e:
     if which == "attention":
-      kernels.attention_kind(setting, 4096, "gpu", jnp.bfloat16, tokamax=True, capability=cc, head_dims=heads)
+      choice.attention_kind(setting, 4096, "gpu", jnp.bfloat16, tokamax=True, capability=cc, head_dims=heads)
     else:
-      kernels.matmul_kind(setting, "gpu", jnp.bfloat16, tokamax=True, capability=cc, dims=heads)
+      choice.matmul_kind(setting, "gpu", jnp.bfloat16, tokamax=True, capability=cc, dims=heads)
   assert "\n" not in str(e.value) and f"model.{'attention_impl' if which == 'attention' else 'moe_matmul'}" in str(e.value)
   # where it can run, the same request stands
   ok = {"mosaic": 9.0 if heads and max(heads) > 64 else 10.0, "triton": 8.0, "cudnn": 9.0, "tokamax": 9.0, "tokamax_triton": 8.0}[setting]
   if which == "attention":
-    assert kernels.attention_kind(setting, 4096, "gpu", jnp.bfloat16, True, ok, heads) == setting
+    assert choice.attention_kind(setting, 4096, "gpu", jnp.bfloat16, True, ok, heads) == setting
   else:
-    assert kernels.matmul_kind(setting, "gpu", jnp.bfloat16, True, ok, (2048, 512)) == setting
+    assert choice.matmul_kind(setting, "gpu", jnp.bfloat16, True, ok, (2048, 512)) == setting
 
 
 def test_startup_summary_names_the_kernels_and_a_missing_tokamax():
   cfg = config_lib.load("configs/bench-v3-1b.yaml")
-  line = kernels.summary(cfg, "gpu", 8.0, tokamax=True)
+  line = choice.summary(cfg, "gpu", 8.0, tokamax=True)
   assert line.startswith("kernels on sm_80: attention triton") and "expert GEMM tokamax_triton" in line
   assert "loss chunked" in line and "tokamax is not installed" not in line
   assert "triton builds a dense [batch, query, key] mask" in line and "in its backward" in line
-  hopper = kernels.summary(cfg, "gpu", 9.0, tokamax=True)
+  hopper = choice.summary(cfg, "gpu", 9.0, tokamax=True)
   assert "attention mosaic" in hopper and "dense" not in hopper
-  missing = kernels.summary(cfg, "gpu", 9.0, tokamax=False)
+  missing = choice.summary(cfg, "gpu", 9.0, tokamax=False)
   assert "attention blocked" in missing and "expert GEMM blocked" in missing
   assert "tokamax is not installed" in missing and "pip install" in missing
-  cudnn = kernels.summary(config_lib.load("configs/bench-v3-1b.yaml", ["model.attention_impl=cudnn"]), "gpu", 9.0,
+  cudnn = choice.summary(config_lib.load("configs/bench-v3-1b.yaml", ["model.attention_impl=cudnn"]), "gpu", 9.0,
                           tokamax=True)
   assert "attention cudnn" in cudnn and "square of train.seq_len" in cudnn
-  assert kernels.summary(cfg, "cpu").startswith("kernels on cpu: attention blocked")
+  assert choice.summary(cfg, "cpu").startswith("kernels on cpu: attention blocked")
 
 
 def expert_inputs(R=40, D=12, M=10, E=5, seed=1):
@@ -237,14 +238,14 @@ def expert_inputs(R=40, D=12, M=10, E=5, seed=1):
 
 @pytest.mark.parametrize("pad_to", [None, 64])
 def test_tokamax_grouped_matmul_path_equals_blocked(pad_to):
-  """moe.ffn_tokamax (gate and up fused into one grouped GEMM) through tokamax's XLA implementation; with
+  """grouped.ffn_tokamax (gate and up fused into one grouped GEMM) through tokamax's XLA implementation; with
   pad_to=64 (as for Mosaic) the 40 rows are padded to whole tiles and the padding sliced off."""
   pytest.importorskip("tokamax")
   x, sizes, ws, w = expert_inputs()
   used = (jnp.arange(x.shape[0]) < sizes.sum())[:, None]
   run = lambda f: lambda x, *ws: jnp.where(used, f(x, sizes, *ws), 0)
-  tok = run(lambda *a: moe.ffn_tokamax(*a, implementation="xla", pad_to=pad_to))
-  ref = run(moe.ffn_blocked)
+  tok = run(lambda *a: grouped.ffn_tokamax(*a, implementation="xla", pad_to=pad_to))
+  ref = run(grouped.ffn_blocked)
   np.testing.assert_allclose(tok(x, *ws), ref(x, *ws), atol=1e-5)
   gt = jax.grad(lambda *a: (tok(*a) * w).sum(), argnums=(0, 1, 2, 3))(x, *ws)
   gr = jax.grad(lambda *a: (ref(*a) * w).sum(), argnums=(0, 1, 2, 3))(x, *ws)
@@ -286,7 +287,7 @@ def test_gpu_kernel_runs_per_shard_on_a_mesh():
   """The custom-call kernel inside its shard_map over batch and heads (data 2 × tensor 2) equals the dense
   reference on one device (tokamax's XLA implementation stands in for the GPU kernel)."""
   pytest.importorskip("tokamax")
-  from jaxseek.model import attention
+  from jaxseek.kernels import attention
   from jaxseek.sharding import mesh as mesh_lib
 
   cfg = config_lib.load("configs/tiny-v3.yaml", ["mesh.data=2", "mesh.tensor=2", "mesh.fsdp=1"])
@@ -315,28 +316,28 @@ def test_auto_takes_xla_paths_on_an_amd_gpu(monkeypatch, device):
   (the explorer's, taken as sm_90) still get Mosaic."""
   cfg = config_lib.load("configs/bench-v3-1b.yaml")
   monkeypatch.setattr(jax, "devices", lambda backend=None: [device])
-  where, cc = kernels.device_target(device)
+  where, cc = choice.device_target(device)
   assert (where, cc) == ("gpu", None)
-  assert kernels.attention_kind("auto", 4096, where, jnp.bfloat16, tokamax=True, capability=cc) == "blocked"
-  assert kernels.matmul_kind("auto", where, jnp.bfloat16, tokamax=True, capability=cc, dims=(2048, 512)) == "blocked"
-  line = kernels.summary(cfg, where, cc, tokamax=True)
+  assert choice.attention_kind("auto", 4096, where, jnp.bfloat16, tokamax=True, capability=cc) == "blocked"
+  assert choice.matmul_kind("auto", where, jnp.bfloat16, tokamax=True, capability=cc, dims=(2048, 512)) == "blocked"
+  line = choice.summary(cfg, where, cc, tokamax=True)
   assert line.startswith("kernels on a GPU without a CUDA compute capability (ROCm): attention blocked"), line
   assert "expert GEMM blocked" in line
   for setting in ("mosaic", "triton", "cudnn"):
     with pytest.raises(config_lib.UserError, match=f"model.attention_impl: {setting}.*without a CUDA compute"):
-      kernels.attention_kind(setting, 4096, where, jnp.bfloat16, tokamax=True, capability=cc)
+      choice.attention_kind(setting, 4096, where, jnp.bfloat16, tokamax=True, capability=cc)
   for setting in ("tokamax", "tokamax_triton"):
     with pytest.raises(config_lib.UserError, match=f"model.moe_matmul: {setting}.*without a CUDA compute"):
-      kernels.matmul_kind(setting, where, jnp.bfloat16, tokamax=True, capability=cc)
+      choice.matmul_kind(setting, where, jnp.bfloat16, tokamax=True, capability=cc)
   monkeypatch.setattr(jax, "devices", lambda backend=None: [H200])
-  assert kernels.device_target(H200) == ("gpu", 9.0)
-  assert kernels.attention_kind("auto", 4096, "gpu", jnp.bfloat16, tokamax=True) == "mosaic"
+  assert choice.device_target(H200) == ("gpu", 9.0)
+  assert choice.attention_kind("auto", 4096, "gpu", jnp.bfloat16, tokamax=True) == "mosaic"
   monkeypatch.setattr(jax, "devices", lambda backend=None: [SimpleNamespace(platform="cpu")])
-  assert kernels.matmul_kind("auto", "gpu", jnp.bfloat16, tokamax=True, dims=(2048, 512)) == "tokamax"
+  assert choice.matmul_kind("auto", "gpu", jnp.bfloat16, tokamax=True, dims=(2048, 512)) == "tokamax"
 
 
 def test_blocked_expert_weight_gradients_accumulate_in_float32():
-  """moe.ffn_blocked's weight gradients under bfloat16 compute, 2 experts × 32 row blocks of 256: equal to the
+  """grouped.ffn_blocked's weight gradients under bfloat16 compute, 2 experts × 32 row blocks of 256: equal to the
   exact sum rounded once to bfloat16. The inputs make every value exact: x, dy, the weights in {-1, 0, 1} save
   a gate column of 20 (so gate ∈ [20, 23], where bfloat16's and float32's sigmoid are 1 and silu(gate) = gate),
   every hidden value and cotangent an integer below 256 (exact in bfloat16), every block's partial sum and the
@@ -352,7 +353,7 @@ def test_blocked_expert_weight_gradients_accumulate_in_float32():
   dy = rng.integers(-1, 2, (R, D)).astype(np.float32)
   sizes = jnp.asarray([R // 2, R // 2], jnp.int32)
   bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
-  loss = lambda *w: (moe.ffn_blocked(bf16(x), sizes, *w).astype(jnp.float32) * dy).sum()
+  loss = lambda *w: (grouped.ffn_blocked(bf16(x), sizes, *w).astype(jnp.float32) * dy).sum()
   got = jax.grad(loss, argnums=(0, 1, 2))(bf16(w_gate), bf16(w_up), bf16(w_down))
   want = [np.zeros_like(w_gate), np.zeros_like(w_up), np.zeros_like(w_down)]
   for e in range(E):

@@ -11,7 +11,8 @@ from flax import nnx
 from conftest import CONFIGS, load_config
 from jaxseek import config as config_lib
 from jaxseek import model as model_lib
-from jaxseek.model.moe import Routing, experts_local, route
+from jaxseek.kernels.grouped import experts_local
+from jaxseek.model.moe import Routing, route
 
 
 def numpy_route(logits, bias, r: Routing):

@@ -16,9 +16,11 @@ from conftest import load_config
 from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.errors import UserError
-from jaxseek.model import kernels
-from jaxseek.model.moe import (MoE, Routing, capacity, dispatch, experts_parallel, experts_parallel_ragged, kept_sorted,
-                               ragged_plan, receive_rows, route, send_order)
+from jaxseek.kernels import choice
+from jaxseek.model.moe import MoE, Routing, route
+from jaxseek.sharding import experts
+from jaxseek.sharding.experts import (capacity, dispatch, experts_parallel, experts_parallel_ragged, kept_sorted,
+                                      ragged_plan, receive_rows, send_order)
 from jaxseek.sharding.mesh import make_mesh
 from jaxseek.sharding.rules import activation_spec
 
@@ -323,13 +325,14 @@ def on_expert_mesh(fn, x, idx, weights, w_gate, w_up, w_down, cotangent=None):
 
 def fixed_fn(fp8_dispatch=False):
   cap = capacity(X, K, SHARDS, E // SHARDS, None)
-  return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, "blocked", fp8_dispatch)
+  return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, matmul="blocked",
+                                     fp8_dispatch=fp8_dispatch)
 
 
 def ragged_fn(factor, fp8_dispatch=False):
   cap = capacity(X, K, SHARDS, E // SHARDS, None)
   rows = receive_rows(X, K, SHARDS, cap, factor)
-  return lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, "blocked", fp8_dispatch,
+  return lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, matmul="blocked", fp8_dispatch=fp8_dispatch,
                                             exchange=emulated_ragged_all_to_all)
 
 
@@ -495,10 +498,10 @@ def test_fp8_dispatch_computes_on_rounded_tokens_and_passes_gradients_straight_t
 
 
 def test_dispatch_kind_is_ragged_on_accelerators_and_refused_on_cpu():
-  assert [kernels.dispatch_kind("auto", where) for where in ("gpu", "tpu", "cpu")] == ["ragged", "ragged", "fixed"]
-  assert kernels.dispatch_kind("fixed", "gpu") == "fixed"
+  assert [choice.dispatch_kind("auto", where) for where in ("gpu", "tpu", "cpu")] == ["ragged", "ragged", "fixed"]
+  assert choice.dispatch_kind("fixed", "gpu") == "fixed"
   with pytest.raises(UserError, match="model.moe_dispatch: ragged needs ragged-all-to-all.*cpu; use auto or fixed"):
-    kernels.dispatch_kind("ragged", "cpu")
+    choice.dispatch_kind("ragged", "cpu")
   layer, x_BTD = moe_layer("model.moe_dispatch=ragged")  # built anywhere (the explorer plans on CPU), run: refused
   with pytest.raises(UserError, match="model.moe_dispatch: ragged"):
     call(layer, x_BTD, None)
@@ -508,8 +511,8 @@ def test_dispatch_summary_gives_the_rows_one_layer_moves_per_device():
   cfg = load_config("tiny-v3", "mesh.data=2", "mesh.expert=4")  # 16 sequences of 24 over 8 shards: x = 48
   sizes = cfg.mesh.sizes() | {"data": 2}
   assert "fixed all_to_all over expert=4, 4 × 96 = 384 rows per device for K·x = 96" in \
-      kernels.dispatch_summary(cfg, sizes, "cpu")
-  line = kernels.dispatch_summary(load_config("tiny-v3", "mesh.data=2", "mesh.expert=4",
+      experts.dispatch_summary(cfg, sizes, "cpu")
+  line = experts.dispatch_summary(load_config("tiny-v3", "mesh.data=2", "mesh.expert=4",
                                               "model.moe_dispatch_dtype=float8_e4m3fn"), sizes, "gpu")
   assert "ragged_all_to_all over expert=4" in line and "receive buffer of 192 rows" in line, line
   assert "dropless from 4" in line and "float8_e4m3fn rows with float32 scales" in line, line
@@ -527,8 +530,8 @@ def test_padding_tokens_take_no_expert_capacity(path):
 
   def layer(valid):
     if path == "fixed":
-      return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, "blocked", valid_X=valid)
-    return lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, "blocked",
+      return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, matmul="blocked", valid_X=valid)
+    return lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, matmul="blocked",
                                               exchange=emulated_ragged_all_to_all, valid_X=valid)
 
   padding = np.tile(np.arange(X) < pad, SHARDS)

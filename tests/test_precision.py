@@ -152,7 +152,7 @@ def test_offload_is_refused_on_cpu():
 def test_fp8_matmul_error_is_within_e4m3_bounds(k):
   """Each product's error is bounded by the rounding of both operands: per element at most 2⁻⁴ of it (3
   mantissa bits), or 2⁻¹⁰ of its tile's scale below e4m3's normal range."""
-  from jaxseek.model import fp8
+  from jaxseek.kernels import fp8
 
   rng = np.random.default_rng(k)
   x = rng.standard_normal((64, k)).astype(np.float32) * rng.lognormal(0, 2, (64, 1)).astype(np.float32)
@@ -179,7 +179,7 @@ def test_fp8_matmul_error_is_within_e4m3_bounds(k):
 def test_fp8_scales_each_tile_on_its_own():
   """A tile holding an outlier does not flush its neighbours: 1×128 scaling keeps their relative precision,
   where one scale for the tensor would round them to zero."""
-  from jaxseek.model import fp8
+  from jaxseek.kernels import fp8
 
   x = np.full((1, 256), 0.01, np.float32)
   x[0, 0] = 1e4

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxseek.model import fp8
+from jaxseek.kernels import fp8
 from jaxseek.sharding.rules import shard
 
 
@@ -56,7 +56,7 @@ class MLP(nnx.Module):
     self.w_up_DF = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype, std)
     self.w_down_FD = param(rngs, (hidden, dim), ("mlp", "embed"), param_dtype, std)
     self.dtype = dtype
-    self.fp8 = fp8  # matmul inputs rounded as FP8 training does (model/fp8.py)
+    self.fp8 = fp8  # matmul inputs rounded as FP8 training does (kernels/fp8.py)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     act, w = (fp8.tiles, fp8.blocks) if self.fp8 else (lambda a: a, lambda a: a)

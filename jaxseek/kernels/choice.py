@@ -1,4 +1,4 @@
-"""Which implementation runs attention and the experts' grouped matmul, and the GPU kernel wrappers (tokamax).
+"""Which implementation runs attention, the experts' grouped matmul and the expert exchange, on which device.
 
 Choices are resolved from the platform of the active mesh's devices, not from `jax.default_backend()`, so a
 deviceless compile for a GPU target on a CPU machine picks the GPU kernels, and on a GPU from its CUDA compute
@@ -22,13 +22,13 @@ dense), and the tokamax kernels asked for by name are refused there.
 from __future__ import annotations
 
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from jaxseek.errors import UserError
-from jaxseek.model import flash
+from jaxseek.kernels import flash
+from jaxseek.kernels.gpu import has_tokamax
 
 GPU_ATTENTION = ("mosaic", "triton", "cudnn")
 GPU_MATMUL = {"tokamax": "mosaic", "tokamax_triton": "triton"}
@@ -90,7 +90,7 @@ def _gpu(where: str, cc: float | None, tokamax: bool | None) -> tuple[float | No
   explorer planning for one)."""
   if where == "gpu" and cc is None:
     cc = PLANNED_SM if jax.devices()[0].platform == "cpu" else capability()
-  return cc, _has_tokamax() if tokamax is None else tokamax
+  return cc, has_tokamax() if tokamax is None else tokamax
 
 
 def _mosaic_runs(cc: float | None, head_dims: tuple[int, int] | None = None) -> bool:
@@ -233,102 +233,3 @@ def dispatch_kind(setting: str, where: str | None = None) -> str:
     raise UserError(f"config key model.moe_dispatch: ragged needs ragged-all-to-all, which XLA does not implement "
                     f"on {where}; use auto or fixed")
   return setting
-
-
-def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None) -> str:
-  """One line for the start-up summary (cfg: the run's Config, sizes: the mesh's axis sizes): how routed tokens
-  reach the expert shards and the rows one MoE layer sends per device (x local tokens per microbatch)."""
-  from jaxseek.model import moe  # moe imports this module
-
-  m, t = cfg.model, cfg.train
-  if not m.is_moe:
-    return "MoE dispatch: none (dense model)"
-  P, K = sizes.get("expert", 1), m.num_experts_per_tok
-  if P == 1:
-    return f"MoE dispatch: none (mesh.expert=1: all {m.n_routed_experts} experts on every device)"
-  x = (t.batch_size // t.microbatches // (sizes.get("data", 1) * sizes.get("fsdp", 1) * P)
-       * t.seq_len // sizes.get("context", 1))
-  cap = moe.capacity(x, K, P, m.n_routed_experts // P, m.moe_capacity_factor)
-  rows = f"{m.moe_dispatch_dtype} rows with float32 scales per 128 channels" if m.moe_dispatch_dtype else \
-      f"{t.compute_dtype} rows"
-  if dispatch_kind(m.moe_dispatch, where) == "fixed":
-    return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
-            f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
-  recv = moe.receive_rows(x, K, P, cap, m.moe_recv_factor)
-  return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
-          f"into a receive buffer of {recv} rows (model.moe_recv_factor={m.moe_recv_factor:g}, dropless from "
-          f"{min(P, m.n_routed_experts / K):g}); {rows}, results back in {t.compute_dtype}")
-
-
-def _has_tokamax() -> bool:
-  try:
-    import tokamax  # noqa: F401
-  except ImportError:
-    return False
-  return True
-
-
-def tokamax_module():
-  try:
-    import tokamax
-  except ImportError as e:
-    raise UserError("the GPU kernels need tokamax: pip install -e '.[gpu]' (or tokamax==0.0.12)") from e
-  from absl import flags
-
-  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, and would parse this program's own arguments
-    flags.FLAGS(sys.argv[:1])
-  return tokamax
-
-
-def segment_starts(segment_ids_BS: jax.Array) -> jax.Array:
-  """Index of the first token of each token's segment (segments are contiguous runs, as the packer writes)."""
-  S = segment_ids_BS.shape[1]
-  index = jnp.arange(S, dtype=jnp.int32)
-  change = jnp.concatenate([jnp.ones_like(segment_ids_BS[:, :1], bool), segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]],
-                           axis=1)
-  return jax.lax.cummax(jnp.where(change, index, 0), axis=1)
-
-
-MOSAIC_BLOCK = 128  # the query block of tokamax's Mosaic GPU attention: its query length must be a multiple
-
-
-def tokamax_attention(q_BTNK, k_BSGK, v_BSGP, segment_ids_BT, scale, key_segment_ids_BS=None, query_offset=0,
-                      implementation: str = "mosaic", pad_to: int | None = None):
-  """Causal attention through a tokamax kernel with the packed-document mask as key ranges per query:
-  query t (at sequence position offset + t) sees keys [start of its segment, offset + t]. The queries are padded
-  to a multiple of `pad_to` (default: Mosaic's query block for mosaic, none otherwise) and the padding sliced off;
-  on the causal path the keys too, the padded queries seeing only padded keys."""
-  tokamax_module()
-  from tokamax._src.ops.attention import api, base  # tokamax 0.0.12 exports no Mask nor implementation table
-
-  B, T, S = q_BTNK.shape[0], q_BTNK.shape[1], k_BSGK.shape[1]
-  pad_to = pad_to or (MOSAIC_BLOCK if implementation == "mosaic" else 1)
-  pad = -T % pad_to
-  rows = lambda x, value=0: x if not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
-                                                         constant_values=value)
-  start_B1T = None
-  if segment_ids_BT is not None:
-    keys_BS = segment_ids_BT if key_segment_ids_BS is None else key_segment_ids_BS
-    start_B1T = jax.lax.dynamic_slice_in_dim(segment_starts(keys_BS), query_offset, T, axis=1)[:, None, :]
-  if isinstance(query_offset, int) and query_offset == 0 and S == T:
-    # the kernel's own causal path (skips masked blocks); padded queries start at the first padded key
-    start_B1T = None if start_B1T is None else rows(start_B1T.reshape(B, T), T).reshape(B, 1, T + pad)
-    mask = base.Mask(k_start=start_B1T, is_causal=True)
-    k_BSGK, v_BSGP = rows(k_BSGK), rows(v_BSGP)
-  else:
-    end_BT = jnp.broadcast_to(query_offset + jnp.arange(T, dtype=jnp.int32) + 1, (B, T))
-    start_B1T = None if start_B1T is None else rows(start_B1T.reshape(B, T)).reshape(B, 1, T + pad)
-    mask = base.Mask(k_start=start_B1T, k_end=rows(end_BT, 1).reshape(B, 1, T + pad))
-  name = implementation
-  if name == "mosaic":
-    name = "mosaic_gpu"
-  impl = api.IMPLEMENTATIONS.get(name)
-  if impl is None:
-    raise UserError(f"config key model.attention_impl: tokamax has no {implementation} kernel here; use auto")
-  return impl(rows(q_BTNK), k_BSGK, v_BSGP, mask=mask, logits_scale=scale)[:, :T]
-
-
-def tokamax_ragged_dot(x_RD, w_EDF, sizes_E, implementation: str = "mosaic"):
-  """Grouped GEMM of rows sorted by group through tokamax (Mosaic GPU or Triton kernels, their own backward)."""
-  tokamax = tokamax_module()
-  return tokamax.ragged_dot(x_RD, w_EDF, sizes_E.astype(jnp.int32), implementation=implementation)

@@ -1,0 +1,341 @@
+"""The expert-parallel exchange: token copies to the devices that hold their experts and back.
+
+Shape key (see jaxseek.model): X tokens of a shard flattened (B·T), E routed experts, K experts per token,
+D model size; J = K·X token copies, P expert-axis shards, C buffer rows per shard pair, R receive rows. Inside
+`jax.shard_map` a lowercase letter is the local shard (e = E/P experts, m = M/|tensor|, x = local tokens).
+
+Dispatch on the expert axis (P shards), `model.moe_dispatch` as `choice.dispatch_kind` resolves it:
+  fixed (CPU, and the reference)  each device sends every token copy to the shard that holds its expert through
+      a fixed buffer of C rows per (source, destination) pair, with `all_to_all`; the destination runs its e
+      experts over what it received (grouped matmul) and sends the results back the same way.
+        C = min(⌈capacity_factor · J / P⌉, X · min(K, e))     (capacity_factor None: C = X · min(K, e), dropless)
+      Copies fill their destination's C slots in k-major order (every token's first choice, then every second
+      choice, ...; tokens in order within one k); copies past C are dropped, contribute zero and are counted.
+  ragged (GPU, TPU; XLA:CPU has no ragged-all-to-all)  the copies within C are sorted by global expert (so by
+      destination, then local expert); every device all-gathers the counts count[s, q, l] (source, destination,
+      local expert) and computes the same plan (`ragged_plan`). Destination q's one receive buffer of R rows is
+      expert-major: local expert 0's rows from sources 0, 1, ..., then local expert 1's, ...
+        start[q, l, s] = Σ over the slices (l', s') before (l, s) of count[s', q, l'],
+        kept[q, l, s] = clip(R − start, 0, count[s, q, l]),   R = min(⌈moe_recv_factor · J⌉, P · C)
+      One `ragged_all_to_all` (E slices, e per peer) sends exactly the kept copies; the grouped matmul runs over
+      the groups Σ_s kept[q, l, s] (no padding rows); a second one returns the results to the senders' sorted
+      positions. Copies past R are dropped like copies past C and counted in the same `dropped`; with
+      moe_recv_factor ≥ min(P, E/K) nothing is (R then holds the worst case, P · X · min(K, e)).
+  moe_dispatch_dtype=float8_e4m3fn  the exchanges that carry rows to the experts travel as e4m3 with a float32
+      scale per 1×128 tile (amax / 448): D + 4·⌈D/128⌉ bytes a row instead of 2·D in bfloat16, dequantised to the
+      compute dtype on arrival. Forward: the dispatched tokens in e4m3, the expert results back in the compute
+      dtype. Backward: the cotangents of the expert results go to the experts in e4m3 (the combine's transpose),
+      the tokens' cotangents come back in the compute dtype. Each rounding is straight-through: its gradient is
+      the identity (`dispatch`).
+Compiled for 8 H200s (bench-v3-1b, 4 layers, batch 8 × 1024 on expert=8; docs/moe.md): fixed, every all_to_all
+bf16[8, 4096, 2048] (32,768 rows for 4,096 copies), temp 3.99 GiB; ragged, 4,096 rows out into R = 8,192,
+temp 1.64 GiB (1.61 with FP8 dispatch, 2,112 bytes a row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxseek.config import ModelConfig
+from jaxseek.errors import UserError
+from jaxseek.kernels import choice, fp8, grouped
+from jaxseek.kernels.grouped import expert_ffn, experts_local
+from jaxseek.sharding import rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How routed copies reach the experts: the model's moe_capacity_factor, moe_matmul, moe_dispatch,
+  moe_recv_factor and moe_dispatch_dtype=float8_e4m3fn."""
+
+  capacity_factor: float | None = None  # None: dropless
+  matmul: str = "auto"
+  dispatch: str = "auto"
+  recv_factor: float = 2.0
+  fp8_dispatch: bool = False
+
+  @classmethod
+  def from_config(cls, cfg: ModelConfig) -> "Settings":
+    if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
+      raise UserError(f"config key model.moe_capacity_factor: {cfg.moe_capacity_factor} must be > 0, or null "
+                      f"for dropless dispatch")
+    return cls(cfg.moe_capacity_factor, cfg.moe_matmul, cfg.moe_dispatch, cfg.moe_recv_factor,
+               cfg.moe_dispatch_dtype == "float8_e4m3fn")
+
+
+def shard_count() -> int:
+  """P, the expert-axis shards of the active mesh (the expert axes an enclosing shard_map handles by hand,
+  gradsum's, count too: the weights arrive as their block); 1 without a mesh."""
+  if not rules.has_mesh():
+    return 1
+  return math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in rules.split_axes("experts"))
+
+
+def routed(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settings: Settings,
+           shards: int) -> tuple[jax.Array, jax.Array]:
+  """One token shard's routed-expert output [x, D] (partial if m < M) and its dropped copies []: on the shard
+  itself when every expert is local (`shards` = 1) and nothing can drop, else through the fixed or ragged
+  exchange. `w_eDm`: the local experts' (gate, up, down) weights."""
+  x, K = idx_xK.shape
+  E = w_eDm[0].shape[0] * shards
+  cap = capacity(x, K, shards, E // shards, settings.capacity_factor)
+  ragged = choice.dispatch_kind(settings.dispatch) == "ragged"  # refused where it cannot run, even unused
+  if shards == 1 and cap == capacity(x, K, 1, E, None):
+    return experts_local(x_xD, idx_xK, weights_xK, *w_eDm, settings.matmul), jnp.zeros((), jnp.float32)
+  axes, valid_X = rules.split_axes("experts"), valid_x > 0
+  if ragged and shards > 1:
+    rows = receive_rows(x, K, shards, cap, settings.recv_factor)
+    y_xD, kept_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap, rows,
+                                            matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch,
+                                            valid_X=valid_X)
+  else:
+    y_xD, kept_Kx = experts_parallel(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap,
+                                     matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X)
+  return y_xD, ((1.0 - kept_Kx.astype(jnp.float32)) * valid_x).sum()
+
+
+def typed_axes_hold(settings: Settings, w_gate_EDM: jax.Array) -> bool:
+  """Whether JAX's varying-axes check can hold over the MoE's shard_map (its `check_vma`). Under the vmap over data
+  shards of train.grad_compression (spmd_axis_name="data") the per-shard values count as varying over data, which
+  no spec may name; tokamax's kernels give weight gradients without varying-axes types; inside gradsum's
+  shard_map manual over `expert` values vary there without a type that says so. The check is off in those."""
+  mesh = jax.sharding.get_abstract_mesh()
+  outer = set(mesh.manual_axes) & set(rules.split_axes("experts"))
+  tensor = math.prod(mesh.shape[a] for a in rules.mesh_axes("expert_mlp"))
+  kind = choice.matmul_kind(settings.matmul, dtype=w_gate_EDM.dtype,
+                            dims=(w_gate_EDM.shape[1], w_gate_EDM.shape[2] // tensor))
+  return not rules.reserved_axes() and not outer and kind not in choice.GPU_MATMUL
+
+
+def capacity(tokens: int, k: int, shards: int, local_experts: int, factor: float | None) -> int:
+  """Buffer rows per (source, destination) shard pair: factor × the balanced load, at most the worst case."""
+  worst = tokens * min(k, local_experts)
+  if factor is None:
+    return worst
+  return max(1, min(worst, math.ceil(factor * tokens * k / shards)))
+
+
+def send_slots(dest_J: jax.Array, shards: int, cap: int, valid_J: jax.Array | None = None) -> jax.Array:
+  """Buffer slot of each copy: destination · C + its rank among that destination's copies; dropped: P·C. Copies
+  of padding tokens (valid_J false) are dropped and rank after every real copy, so they take no capacity."""
+  J = dest_J.shape[0]
+  order_J = jnp.argsort(dest_J if valid_J is None else dest_J * 2 + (1 - valid_J.astype(dest_J.dtype)), stable=True)
+  count_P = jnp.bincount(dest_J, length=shards)
+  rank_sorted_J = jnp.arange(J) - (jnp.cumsum(count_P) - count_P)[dest_J[order_J]]
+  rank_J = jnp.zeros((J,), jnp.int32).at[order_J].set(rank_sorted_J.astype(jnp.int32))
+  keep_J = rank_J < cap if valid_J is None else (rank_J < cap) & valid_J.astype(bool)
+  return jnp.where(keep_J, dest_J * cap + rank_J, shards * cap)
+
+
+def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
+                     shards: int, cap: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
+                     valid_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Expert-parallel computation with fixed buffers: all_to_all out, grouped matmuls, all_to_all back.
+
+  Tokens with valid_X false (padding) are not sent and take no capacity (their output is zero). Returns the
+  (partial, if m < M) output [X, D] and which copies were kept [K, X] (k-major, as buffered).
+  """
+  X, K = idx_XK.shape
+  D, e = x_XD.shape[1], w_gate_eDm.shape[0]
+  idx_J = idx_XK.T.reshape(-1)  # copy j = k·X + x: first choices fill the buffers first
+  slot_J = send_slots(idx_J // e, shards, cap, None if valid_X is None else jnp.tile(valid_X, K))
+  rows = shards * cap
+  copy_R = jnp.full((rows,), K * X, jnp.int32).at[slot_J].set(jnp.arange(K * X, dtype=jnp.int32), mode="drop")
+  filled_R = copy_R < K * X
+  send_RD = jnp.where(filled_R[:, None], x_XD[copy_R % X], 0)
+  local_R = jnp.where(filled_R, idx_J.at[copy_R].get(mode="clip") % e, e)  # e: an empty row, no expert
+
+  def exchange(a, plan=()):
+    if shards == 1:
+      return a
+    return jax.lax.all_to_all(a.reshape(shards, cap, *a.shape[1:]), axes, 0, 0).reshape(a.shape)
+
+  y_RD = experts_local(dispatch(exchange, exchange, send_RD, (), fp8_out=fp8_dispatch), exchange(local_R)[:, None],
+                       jnp.ones((rows, 1), jnp.float32), w_gate_eDm, w_up_eDm, w_down_emD, matmul, padded=True)
+  y_JD = dispatch(exchange, exchange, y_RD, (), fp8_back=fp8_dispatch).at[slot_J].get(mode="fill", fill_value=0)
+  weights_KX = weights_XK.T.astype(y_JD.dtype)
+  y_XD = jnp.einsum("KXD,KX->XD", y_JD.reshape(K, X, D), weights_KX)
+  return y_XD, (slot_J < rows).reshape(K, X)
+
+
+def receive_rows(tokens: int, k: int, shards: int, cap: int, factor: float) -> int:
+  """R, the rows of a device's ragged receive buffer: ⌈factor · K·x⌉, at most all that can arrive (P · C)."""
+  return max(1, min(shards * cap, math.ceil(factor * tokens * k)))
+
+
+class RaggedPlan(NamedTuple):
+  """One device's side of both `ragged_all_to_all` calls. Slice i = peer · e + local expert (E slices, e per
+  peer); the forward call sends (send_offsets, send_sizes) to (out_offsets) and receives recv_sizes, the return
+  call sends (recv_offsets, recv_sizes) to (back_offsets) and receives send_sizes."""
+
+  send_offsets_E: jax.Array  # start of slice i in this device's send buffer (sorted by global expert; 0 if empty)
+  send_sizes_E: jax.Array  # rows of slice i sent to peer i // e (the kept ones)
+  out_offsets_E: jax.Array  # where slice i lands in peer i // e's receive buffer
+  recv_sizes_E: jax.Array  # rows received from source i // e for local expert i % e
+  recv_offsets_E: jax.Array  # where those rows lie in this device's receive buffer
+  back_offsets_E: jax.Array  # where they return to in source i // e's send buffer
+  group_sizes_e: jax.Array  # rows of each local expert in the receive buffer (expert-major, from offset 0)
+
+
+def ragged_plan(count_PE: jax.Array, me: jax.Array | int, rows: int) -> RaggedPlan:
+  """Device `me`'s plan from every source's copy counts per global expert [P (source), E] and the receive rows R.
+
+  Receive buffer of destination q, expert-major: local expert 0's rows from source 0, 1, ..., P-1, then local
+  expert 1's, ...; slice (l, s) starts at start[q, l, s] = Σ of the slices before it, and keeps
+  clip(R − start, 0, count) rows: the copies past R are the tail of the (destination, expert, source) order.
+  Slices that send nothing get offset 0.
+  """
+  P, E = count_PE.shape
+  e = E // P
+  count_PPe = count_PE.reshape(P, P, e)  # [source, destination, local expert]
+  arrive_PeP = count_PPe.transpose(1, 2, 0)  # [destination, local expert, source]: each receive buffer's order
+  flat_PR = arrive_PeP.reshape(P, e * P)
+  start_PeP = (jnp.cumsum(flat_PR, axis=1) - flat_PR).reshape(P, e, P)
+  kept_PeP = jnp.clip(rows - start_PeP, 0, arrive_PeP)
+  start_PeP = jnp.where(kept_PeP > 0, start_PeP, 0)  # an empty slice at 0, never past the end of a buffer
+  send_start_PPe = (jnp.cumsum(count_PE, axis=1) - count_PE).reshape(P, P, e)
+  send_start_PPe = jnp.where(kept_PeP.transpose(2, 0, 1) > 0, send_start_PPe, 0)
+  mine_eP = kept_PeP[me]
+  return RaggedPlan(send_offsets_E=send_start_PPe[me].reshape(E),
+                    send_sizes_E=kept_PeP[:, :, me].reshape(E),
+                    out_offsets_E=start_PeP[:, :, me].reshape(E),
+                    recv_sizes_E=mine_eP.T.reshape(E),
+                    recv_offsets_E=start_PeP[me].T.reshape(E),
+                    back_offsets_E=send_start_PPe[:, me].reshape(E),
+                    group_sizes_e=mine_eP.sum(-1))
+
+
+def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
+                            shards: int, cap: int, rows: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
+                            exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None
+                            ) -> tuple[jax.Array, jax.Array]:
+  """Expert-parallel computation with exact sizes: counts all-gathered, `ragged_all_to_all` of the routed copies
+  into R = `rows` rows grouped by local expert, grouped matmuls, `ragged_all_to_all` back, weighted combine.
+
+  The capacity rule (`cap` per destination, k-major) applies first, as in `experts_parallel`; copies past R on
+  their receiver are dropped too, and padding tokens' (valid_X false) are never sent. `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on
+  CPU, where XLA has none). Returns the (partial, if m < M) output [X, D] and which copies were kept [K, X].
+  """
+  X, K = idx_XK.shape
+  D, e = x_XD.shape[1], w_gate_eDm.shape[0]
+  J = K * X
+  order_J, key_J, count_E = send_order(idx_XK, shards, e, cap, valid_X)
+  count_PE = jax.lax.all_gather(count_E, axes).reshape(shards, shards * e)
+  plan = ragged_plan(count_PE, jax.lax.axis_index(axes), rows)
+
+  def send(a, plan):
+    return exchange(a, _buffer(a, rows), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
+                    plan.recv_sizes_E, axis_name=axes)
+
+  def back(a, plan):
+    return exchange(a, _buffer(a, J), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
+                    plan.send_sizes_E, axis_name=axes)
+
+  recv_RD = dispatch(send, back, x_XD[order_J % X], plan, fp8_out=fp8_dispatch)
+  y_RD = expert_ffn(recv_RD, plan.group_sizes_e, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
+  back_JD = dispatch(back, send, y_RD, plan, fp8_back=fp8_dispatch)  # rows of dropped copies stay zero
+  position_J = jnp.zeros((J,), jnp.int32).at[order_J].set(jnp.arange(J, dtype=jnp.int32))
+  weights_KX = weights_XK.T.astype(back_JD.dtype)
+  y_XD = jnp.einsum("KXD,KX->XD", back_JD[position_J].reshape(K, X, D), weights_KX)
+  return y_XD, kept_sorted(key_J, plan)[position_J].reshape(K, X)
+
+
+def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int, valid_X: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The ragged send buffer's order: copies (j = k·X + x) sorted by global expert, so by destination and within
+  one by local expert, k-major within one expert; copies the capacity rule drops go last (key E, never sent).
+  Returns the copy at each position [J], its key [J] and the copies per expert within capacity [E]."""
+  E = shards * local_experts
+  idx_J = idx_XK.T.reshape(-1)
+  valid_J = None if valid_X is None else jnp.tile(valid_X, idx_XK.shape[1])
+  key_J = jnp.where(send_slots(idx_J // local_experts, shards, cap, valid_J) < shards * cap, idx_J, E)
+  order_J = jnp.argsort(key_J, stable=True)
+  return order_J, key_J[order_J], jnp.bincount(key_J, length=E + 1)[:E].astype(jnp.int32)
+
+
+def kept_sorted(key_J: jax.Array, plan: RaggedPlan) -> jax.Array:
+  """Which positions of the send buffer are sent (each slice's first send_sizes rows; key E: none). An empty
+  slice's offset is 0, and it keeps no rank."""
+  E = plan.send_sizes_E.shape[0]
+  slice_J = jnp.minimum(key_J, E - 1)
+  rank_J = jnp.arange(key_J.shape[0], dtype=jnp.int32) - plan.send_offsets_E[slice_J]
+  return (key_J < E) & (rank_J < plan.send_sizes_E[slice_J])
+
+
+def _buffer(a: jax.Array, n: int) -> jax.Array:
+  """n zero rows like `a`'s, varying over the mesh axes `a` varies over (the result of ragged_all_to_all keeps the
+  varying axes of its `output` operand)."""
+  return jnp.zeros((n, *a.shape[1:]), a.dtype) + grouped.varying_zero(a).astype(a.dtype)
+
+
+def dispatch(send: Callable, back: Callable, x_ND: jax.Array, plan, fp8_out: bool = False,
+             fp8_back: bool = False) -> jax.Array:
+  """send(x, plan), whose transpose is back(dy, plan) (the gradient goes back by it without JAX's own transpose
+  rule, which would all_to_all the ragged offsets again). `fp8_out` / `fp8_back`: the rows of the forward / the
+  backward exchange travel as e4m3 with a float32 scale per 1×128 tile beside each, dequantised to their dtype on
+  arrival; the gradient passes straight through the rounding. DeepSeek-V3's FP8 dispatch is both directions
+  that carry rows to the experts: the tokens in the forward (the dispatch's fp8_out), the gradients of the
+  expert outputs in the backward (the combine's fp8_back); what comes back from the experts stays in the compute
+  dtype."""
+  return _dispatch(send, back, fp8_out, fp8_back, x_ND, plan)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _dispatch(send, back, fp8_out, fp8_back, x_ND, plan):
+  return _exchange(send, x_ND, plan, fp8_out)
+
+
+def _exchange(send: Callable, x_ND: jax.Array, plan, fp8_rows: bool) -> jax.Array:
+  """send(x, plan), the rows as e4m3 and their scales in one exchange of bytes [N, D + 4·⌈D/128⌉] when
+  `fp8_rows`."""
+  if not fp8_rows:
+    return send(x_ND, plan)
+  q_ND, scale_NT = fp8.to_e4m3_tiles(x_ND)
+  N, D = x_ND.shape
+  T = scale_NT.shape[1]
+  packed = jnp.concatenate([jax.lax.bitcast_convert_type(q_ND, jnp.uint8),
+                            jax.lax.bitcast_convert_type(scale_NT, jnp.uint8).reshape(N, 4 * T)], axis=1)
+  got = send(packed, plan)
+  q_MD = jax.lax.bitcast_convert_type(got[:, :D], fp8.E4M3)
+  scale_MT = jax.lax.bitcast_convert_type(got[:, D:].reshape(-1, T, 4), jnp.float32)
+  return fp8.from_e4m3_tiles(q_MD, scale_MT, x_ND.dtype)
+
+
+def _dispatch_fwd(send, back, fp8_out, fp8_back, x_ND, plan):
+  return _dispatch(send, back, fp8_out, fp8_back, x_ND, plan), plan
+
+
+def _dispatch_bwd(send, back, fp8_out, fp8_back, plan, dy_MD):
+  return _exchange(back, dy_MD, plan, fp8_back), jax.tree.map(lambda _: None, plan)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None) -> str:
+  """One line for the start-up summary (cfg: the run's Config, sizes: the mesh's axis sizes): how routed tokens
+  reach the expert shards and the rows one MoE layer sends per device (x local tokens per microbatch)."""
+  m, t = cfg.model, cfg.train
+  if not m.is_moe:
+    return "MoE dispatch: none (dense model)"
+  P, K = sizes.get("expert", 1), m.num_experts_per_tok
+  if P == 1:
+    return f"MoE dispatch: none (mesh.expert=1: all {m.n_routed_experts} experts on every device)"
+  x = (t.batch_size // t.microbatches // (sizes.get("data", 1) * sizes.get("fsdp", 1) * P)
+       * t.seq_len // sizes.get("context", 1))
+  cap = capacity(x, K, P, m.n_routed_experts // P, m.moe_capacity_factor)
+  rows = f"{m.moe_dispatch_dtype} rows with float32 scales per 128 channels" if m.moe_dispatch_dtype else \
+      f"{t.compute_dtype} rows"
+  if choice.dispatch_kind(m.moe_dispatch, where) == "fixed":
+    return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
+            f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
+  recv = receive_rows(x, K, P, cap, m.moe_recv_factor)
+  return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
+          f"into a receive buffer of {recv} rows (model.moe_recv_factor={m.moe_recv_factor:g}, dropless from "
+          f"{min(P, m.n_routed_experts / K):g}); {rows}, results back in {t.compute_dtype}")
