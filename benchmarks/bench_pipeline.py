@@ -45,8 +45,8 @@ def main() -> None:
   import common
   from jaxseek import step as step_lib
   from jaxseek.input import global_batches
-  from jaxseek.sharding import schedules
-  from jaxseek.sharding.pipeline import bubble_fraction, zb_bubble
+  from jaxseek.pipeline import tables
+  from jaxseek.pipeline.stages import bubble as formula_bubble
   from jaxseek.sharding.mesh import make_mesh
 
   model = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=args.layers,
@@ -91,13 +91,12 @@ def main() -> None:
       schedule = {"gpipe": "gpipe", "1f1b": "1f1b" if repeats == 1 else "interleaved_1f1b"}.get(kind, kind)
       for micro in args.micro:
         step, temp = measure(S, micro, repeats, schedule, recompute)
-        kept = "-"
+        kept, formula = "-", formula_bubble(schedule, S, micro, repeats)
         if kind == "gpipe":
-          bubble = formula = bubble_fraction(S, micro, repeats)
+          bubble = formula
         else:
-          table = schedules.table(schedule, S, micro, repeats, recompute=recompute)
+          table = tables.table(schedule, S, micro, repeats, recompute=recompute)
           bubble = table.bubble()
-          formula = zb_bubble(kind, S, micro) if table.split else bubble_fraction(S, micro, repeats)
           kept = f"{table.slots}/{table.grad_slots}/{table.stash_slots}"
           kept += f"/{table.residual_slots}" if table.residual_slots else ""
         name = schedule if repeats == 1 or kind != "gpipe" else "circular"

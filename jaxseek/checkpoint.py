@@ -41,7 +41,8 @@ from flax import nnx
 
 from jaxseek import config as config_lib
 from jaxseek.errors import UserError
-from jaxseek.sharding import compression, pipeline, rules
+from jaxseek.pipeline import stages as pipeline
+from jaxseek.sharding import compression, rules
 
 ITEMS = ("state", "data", "config")
 STATE_PARTS = ("params", "biases", "opt_state", "train")
@@ -257,7 +258,7 @@ def restore_args(target: dict, *, partial: bool, resized: tuple[str, ...] = ()) 
   """Restores the `state` item into `target` (ShapeDtypeStructs with shardings); `partial`: only the parts
   `target` names (parameters without the optimiser state). Leaves under the layer stacks named in `resized` may
   have been saved with another number of rows (pipeline padding): they are cut or zero-extended at the end, where
-  padding always sits (sharding/pipeline.py), and re-ordered after."""
+  padding always sits (pipeline/stages.py), and re-ordered after."""
   args = ocp.checkpoint_utils.construct_restore_args(target)
   if resized:
     def loosen(path, arg):

@@ -225,7 +225,7 @@ class TrainConfig:
   pipeline_repeats: int = 1  # circular pipeline: layer chunks (virtual stages) per pipeline stage; 1 is GPipe
   # gpipe (all forwards, then all backwards; circular with pipeline_repeats > 1), circular (the same, R ≥ 2),
   # 1f1b and interleaved_1f1b (R ≥ 2): one forward and one backward a tick, memory bounded by the stage count;
-  # zero-bubble, the backward split into b and W (sharding/zero_bubble.py): zb_h1 (R = 1, 1F1B's memory), zbv
+  # zero-bubble, the backward split into b and W (pipeline/zero_bubble.py): zb_h1 (R = 1, 1F1B's memory), zbv
   # (R = 2, two chunks a stage on a V), dualpipev (R = 2, DeepSeek's DualPipeV order on the V)
   pipeline_schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"] = "gpipe"
   # zb_h1 / zbv: the most stashes (what a W reads, kept from its b) a stage keeps; fewer cost memory, more fill

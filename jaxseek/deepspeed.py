@@ -562,7 +562,7 @@ def check(merged: dict[str, Any], cluster: Cluster) -> config_lib.Config:
   config_lib.validate(cfg)
   sizes = explore.mesh_sizes(cfg, cluster.devices)
   config_lib.check_mesh_fit(cfg, sizes)
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   if sizes["pipeline"] > 1:
     pipeline_lib.check_stacks(cfg, sizes["pipeline"])

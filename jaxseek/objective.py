@@ -19,8 +19,10 @@ from flax import nnx
 from jaxseek import config as config_lib
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
-from jaxseek.sharding import pipeline as pipeline_lib
-from jaxseek.sharding import rules, schedules
+from jaxseek.model.transformer import STACKS
+from jaxseek.pipeline import executor, tables
+from jaxseek.pipeline import stages as pipeline_lib
+from jaxseek.sharding import rules
 from jaxseek.sharding.rules import shard
 from jaxseek.state import Trainer, TrainState
 
@@ -97,7 +99,7 @@ def objective_fn(trainer: Trainer, cfg: config_lib.Config, state: TrainState, ba
 
 def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainState, params,
                         batch: dict[str, jax.Array], norms: LossNorms):
-  """(grads, ce_sum, mtp_sums, balance, loads) of `batch` with a table schedule (sharding/schedules.py: 1F1B,
+  """(grads, ce_sum, mtp_sums, balance, loads) of `batch` with a table schedule (pipeline/tables.py: 1F1B,
   interleaved 1F1B, DualPipeV). All of the model runs per microbatch inside it: the embedding and the layers
   before the pipelined stack with its first virtual stage, the stack chunk by chunk, the layers after it, the
   head and the loss after its last virtual stage. `norms` are the whole batch's (`batch` may be one device
@@ -105,13 +107,13 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   S, M = pipeline_lib.stages(), cfg.train.microbatches
   name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
   n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
-  table = schedules.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
+  table = tables.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
   model = nnx.merge(trainer.graphdef, params, state.biases)
   stack = getattr(model, name)
   setattr(model, name, None)  # the rest of the model: what runs outside the stack
   rest_graphdef, rest_params, rest_other = nnx.split(model, nnx.Param, ...)
   blocks_graphdef, stack_params, stack_consts = nnx.split(stack.blocks, nnx.Param, ...)
-  order = pipeline_lib.STACKS
+  order = STACKS
   before, after = order[:order.index(name)], order[order.index(name) + 1:]
   rest = lambda p: nnx.merge(rest_graphdef, p, rest_other)
 
@@ -119,7 +121,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
     m = rest(p)
     x_bTD, positions_bT, valid_bT = m.begin(mb["inputs"], mb["positions"], mb["segment_ids"])
     x_bTD, aux = m.run_stacks(x_bTD, positions_bT, mb["segment_ids"], valid_bT, before)
-    if aux:  # the stack before the larger one is the dense stack (pipeline.STACKS order)
+    if aux:  # the stack before the larger one is the dense stack (STACKS order)
       raise NotImplementedError(f"layers with auxiliary outputs before the pipelined stack: {sorted(aux)}")
     return x_bTD
 
@@ -143,9 +145,10 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   valid = (batch["segment_ids"] > 0).astype(jnp.float32)
   side_M = split((batch["positions"], batch["segment_ids"], valid))
   alpha = cfg.model.aux_loss_alpha * state.loss_scale / (B * norms.balance_divisor // M)
-  g_stack, g_rest, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = schedules.run(
-      table, first, stage, post, stack_params, stack_consts, as_computed(rest_params, cfg.train.compute_dtype),
-      split(batch), side_M, {"balance": alpha}, ("balance",), unsplit_leaves(rest_params))
+  g_stack, g_rest, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = executor.run(
+      table, executor.Parts(first, stage, post), stack_params, stack_consts,
+      as_computed(rest_params, cfg.train.compute_dtype), split(batch), side_M, aux_cotangent={"balance": alpha},
+      per_row=("balance",), unsplit=unsplit_leaves(rest_params))
   g_rest = jax.tree.map(lambda g, p: g.astype(p.dtype), g_rest, rest_params)
   grads = nnx.merge_state(g_rest, nnx.State({name: nnx.State({"blocks": g_stack})}))
   stage_aux = pipeline_lib.zero_padding_rows(stage_aux, stored=jax.tree.leaves(stack_params)[0].shape[0],
@@ -158,7 +161,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
 def unsplit_leaves(params) -> tuple[bool, ...]:
   """For each leaf of an nnx State, whether its placement splits it over no mesh axis but `pipeline` and those
   an enclosing shard_map handles by hand: a stage holds it (or its block) whole, so its gradient can be laid
-  into a flat buffer without moving data (schedules.RestGrads)."""
+  into a flat buffer without moving data (restgrads.RestGrads)."""
   mesh = jax.sharding.get_abstract_mesh()
   skip = {"pipeline", *mesh.manual_axes}
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -177,7 +180,7 @@ def as_computed(params, dtype: str):
   memory for bfloat16). The gradients are the same: the cast's cotangent is the compute-dtype cotangent."""
   def cast(path, p):
     keys = [str(getattr(k, "key", k)) for k in path]
-    matrix = p.ndim - (keys[0] in pipeline_lib.STACKS) >= 2  # a layer stack's leaves lead with its layers
+    matrix = p.ndim - (keys[0] in STACKS) >= 2  # a layer stack's leaves lead with its layers
     return p.astype(dtype) if matrix and "router" not in "/".join(keys) and jnp.issubdtype(p.dtype, jnp.floating) \
         else p
 

@@ -24,9 +24,9 @@ from jaxseek.model import kernels
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left, target_exists
+from jaxseek.pipeline import stages as pipeline_lib
 from jaxseek.sharding import compression
 from jaxseek.sharding import gradsum
-from jaxseek.sharding import pipeline as pipeline_lib
 from jaxseek.sharding import rules
 from jaxseek.sharding.rules import param_spec, shard, state_rules
 from jaxseek.state import Trainer, TrainState
@@ -142,9 +142,8 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
-                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, microbatches=cfg.train.microbatches,
-                           pipeline_repeats=cfg.train.pipeline_repeats, pipeline_shape=pipeline_lib.shape(cfg),
-                           fp8=cfg.train.fp8)
+                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, fp8=cfg.train.fp8,
+                           run_stack=pipeline_lib.stack_runner(cfg))
 
   with jax.set_mesh(mesh):
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)

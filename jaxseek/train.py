@@ -26,7 +26,7 @@ from jaxseek.explore import suggest as explore_suggest
 from jaxseek.model import kernels
 from jaxseek.sharding import gradsum
 from jaxseek.sharding import mesh as mesh_lib
-from jaxseek.sharding import pipeline as pipeline_lib
+from jaxseek.pipeline import stages as pipeline_lib
 from jaxseek.step import TrainState, Trainer, check_setup, compile_step, compression_summary, make_trainer
 
 

@@ -473,7 +473,7 @@ def test_weights_outside_the_pipelined_stack_are_stored_over_the_stages():
   [V, D], final norm [D] and head [D, V] are stored split over the stages on D, so a stage holds half of
   every parameter; it gathers them whole once per step (float32), accumulates their gradients in float32 in
   one buffer as long as the larger part (the first stage's embedding, the last stage's norm and head:
-  schedules.RestGrads), and reduce-scatters them once."""
+  restgrads.RestGrads), and reduce-scatters them once."""
   cfg = load_config("tiny-dense", *mesh_overrides("p2d4"), "train.pipeline_schedule=1f1b", "train.microbatches=2")
   model = explore.describe(cfg)
   plan = explore.plan(model, sizes_of("p2d4"), explore.hardware("h100-80g"))

@@ -13,7 +13,7 @@ from jaxseek import input as input_lib
 from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.sharding import gradsum
-from jaxseek.sharding import pipeline as pipeline_lib
+from jaxseek.pipeline import stages as pipeline_lib
 from jaxseek.sharding import rules
 from jaxseek.sharding.mesh import make_mesh
 

@@ -16,7 +16,8 @@ from jaxseek import step as step_lib
 from jaxseek.errors import UserError
 from jaxseek.explore import compile as explore_compile
 from jaxseek.input import GlobalBatches, global_batches
-from jaxseek.sharding import pipeline, schedules
+from jaxseek.pipeline import restgrads, tables
+from jaxseek.pipeline import stages as pipeline
 from jaxseek.sharding.mesh import make_mesh
 
 STEPS = 5
@@ -231,7 +232,7 @@ def test_circular_storage_order_and_bubble():
   assert pipeline.stored_layers(95, 4, 1) == 96 and pipeline.stored_layers(58, 16, 1) == 64
   for S, M, R in [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (4, 16, 4)]:
     assert pipeline.num_ticks(S, M, R) == R * M + S - 1
-    assert pipeline.bubble_fraction(S, M, R) == pytest.approx((S - 1) / (R * M + S - 1))
+    assert pipeline.bubble("gpipe", S, M, R) == pytest.approx((S - 1) / (R * M + S - 1))
   # M not a multiple of S: the last group of microbatches is partial; its last item ends the schedule
   assert pipeline.num_ticks(4, 6, 2) == (1 * 2 * 4) + (1 * 4) + 1 + 4
   # reorder moves a stack from one storage order to another and back; other leaves pass through
@@ -269,7 +270,7 @@ def test_layer_stacks_are_split_into_stages():
     assert math.prod(s.shard_shape(shape)) * 2 == math.prod(shape), jax.tree_util.keystr(path)
   moments = [s for s in jax.tree.leaves(trainer.state_shardings.opt_state) if "pipeline" in str(s.spec)]
   assert len(moments) >= 2 * len(split)  # Adam's two moments follow their parameters
-  assert pipeline.bubble_fraction(2, 4) == pytest.approx(1 / 5)
+  assert pipeline.bubble("gpipe", 2, 4) == pytest.approx(1 / 5)
   summary = pipeline.summary(cfg, 2)
   assert "bubble (S-1)/(M+S-1) = 20.0%" in summary and "MoE stack 1 layers per stage" in summary
   assert "dense stack (1 layers) on every stage" in summary
@@ -403,7 +404,7 @@ def test_1f1b_memory_is_bounded_by_the_stage_count():
   assert compiled_temp_bytes("zb_h1", 16) <= 1.3 * ours[16]
   assert compiled_temp_bytes("zbv", 16) <= 1.3 * ours[16]
   assert compiled_temp_bytes("zbv", 16, 4, "train.pipeline_stashes=8") > 1.3 * ours[16]
-  table = schedules.one_f_one_b(4, 16)  # stage 1 keeps 2S − 3 inputs (stage 0 recomputes its own from the batch)
+  table = tables.one_f_one_b(4, 16)  # stage 1 keeps 2S − 3 inputs (stage 0 recomputes its own from the batch)
   assert table.slots == 2 * 4 - 3 and table.bubble() == pytest.approx(3 / 19)
 
 
@@ -411,7 +412,7 @@ def test_schedule_tables():
   """Every microbatch runs forward then backward once per chunk on every stage; forwards move one stage on per
   tick, backwards one stage back; the last virtual stage runs a microbatch's backward in its forward's tick."""
   for S, M, R in [(2, 4, 1), (4, 8, 1), (4, 6, 1), (2, 4, 2), (4, 8, 2), (4, 6, 2), (3, 7, 3)]:
-    t = schedules.one_f_one_b(S, M, R)
+    t = tables.one_f_one_b(S, M, R)
     where = {}
     for kind, micro, chunk in (("f", t.f_micro, t.f_chunk), ("b", t.b_micro, t.b_chunk)):
       for tick, s in zip(*np.nonzero(micro >= 0)):
@@ -445,7 +446,7 @@ def test_zero_bubble_tables():
   for name in ("zb_h1", "zbv", "dualpipev"):
     for S in (2, 3, 4):
       for M in (1, S, 2 * S, 3 * S + 1):
-        t = schedules.from_order(schedules.zero_bubble_order(name, S, M))
+        t = tables.from_order(tables.zero_bubble_order(name, S, M))
         V = t.virtual.size
         when = {}
         for kind in ("f", "b", "w"):
@@ -470,13 +471,13 @@ def test_zero_bubble_tables():
               slot = t.steps["w_stash"][k, s]
               assert slot in live.values()
               live = {a: b for a, b in live.items() if b != slot}
-      big = schedules.from_order(schedules.zero_bubble_order(name, S, 8 * S))
-      assert schedules.from_order(schedules.zero_bubble_order(name, S, 4 * S)).kept() == big.kept()
-  assert schedules.from_order(schedules.zero_bubble_order("zbv", 4, 16)).bubble() <= 0.095  # S stashes
-  assert schedules.from_order(schedules.zero_bubble_order("zbv", 4, 16, stashes=8)).bubble() <= 0.07
-  assert schedules.one_f_one_b(4, 16).bubble() == pytest.approx(3 / 19)
+      big = tables.from_order(tables.zero_bubble_order(name, S, 8 * S))
+      assert tables.from_order(tables.zero_bubble_order(name, S, 4 * S)).kept() == big.kept()
+  assert tables.from_order(tables.zero_bubble_order("zbv", 4, 16)).bubble() <= 0.095  # S stashes
+  assert tables.from_order(tables.zero_bubble_order("zbv", 4, 16, stashes=8)).bubble() <= 0.07
+  assert tables.one_f_one_b(4, 16).bubble() == pytest.approx(3 / 19)
   with pytest.raises(AssertionError, match="before its input"):  # the checker refuses a backward run too early
-    schedules.build(2, 1, 1, np.array([[0], [1]]), {(0, 0): 0, (0, 1): 1}, {(0, 0): 1, (0, 1): 1})
+    tables.build(2, 1, 1, np.array([[0], [1]]), {(0, 0): 0, (0, 1): 1}, {(0, 0): 1, (0, 1): 1})
 
 
 
@@ -487,7 +488,7 @@ def test_tables_that_keep_the_forward_residuals_run_the_unit_orders():
   overwritten before b reads it; the stage inputs are free after F."""
   limits = {("zbv", 4): 0.035, ("zb_h1", 4): 0.065, ("dualpipev", 4): 0.065, ("zbv", 8): 0.075}
   for (name, S), limit in limits.items():
-    t = schedules.table(name, S, 16, 1 if name == "zb_h1" else 2, recompute=False)
+    t = tables.table(name, S, 16, 1 if name == "zb_h1" else 2, recompute=False)
     assert t.bubble() <= limit and t.bubble() == t.bubble({"f": 1, "b": 1, "w": 1}), (name, S, t.bubble())
     assert t.residual_slots > 0 and t.kept()["residuals"] == t.residual_slots
     for s in range(S):
@@ -501,7 +502,7 @@ def test_tables_that_keep_the_forward_residuals_run_the_unit_orders():
           assert int(t.steps["b_residual"][k, s]) in live
           live.discard(int(t.steps["b_residual"][k, s]))
       assert not live
-  recomputing = schedules.table("zbv", 4, 16, 2)
+  recomputing = tables.table("zbv", 4, 16, 2)
   assert recomputing.residual_slots == 0 and recomputing.bubble() > 0.09  # packed for b costing two
 
 @pytest.mark.parametrize("recompute", ["true", "false"])
@@ -514,26 +515,26 @@ def test_the_summary_prints_the_bubble_its_table_runs(schedule, recompute):
     cfg = load_config("tiny-dense", "mesh.pipeline=4", "mesh.data=2", "model.num_hidden_layers=8",
                       f"train.microbatches={M}", f"train.pipeline_recompute={recompute}", *schedule)
     name, R = cfg.train.pipeline_schedule, cfg.train.pipeline_repeats
-    run_table = schedules.table(name, 4, M, R, recompute=recompute == "true")
-    unit_table = schedules.table(name, 4, M, R, recompute=False)  # F = b = W = 1: idle ticks over all ticks
+    run_table = tables.table(name, 4, M, R, recompute=recompute == "true")
+    unit_table = tables.table(name, 4, M, R, recompute=False)  # F = b = W = 1: idle ticks over all ticks
     idle = 1 - (unit_table.f_micro >= 0).sum(0).max() * 3 / unit_table.ticks
     assert unit_table.bubble() == pytest.approx(idle)
     line = pipeline.summary(cfg, 4).split(" | ")[0]
     printed = {float(x) for x in re.findall(r"(\d+\.\d)%", line)}
     assert printed == {round(100 * run_table.bubble(), 1), round(100 * idle, 1)}, line
-    closed = pipeline.zb_bubble(name, 4, M)
-    assert (pipeline.ZB_FORMULA[name] in line) == (closed == pytest.approx(idle)), line
+    closed = pipeline.bubble(name, 4, M)
+    assert (pipeline.FORMULA[name] in line) == (closed == pytest.approx(idle)), line
 
 
 def test_a_table_is_refused_for_a_schedule_without_one():
-  """schedules.table knows the table schedules by name; any other name (GPipe, circular, a typo) raises rather
+  """tables.table knows the table schedules by name; any other name (GPipe, circular, a typo) raises rather
   than run 1F1B."""
-  assert schedules.table("interleaved_1f1b", 2, 4, 2).repeats == 2
+  assert tables.table("interleaved_1f1b", 2, 4, 2).repeats == 2
   for name in ("gpipe", "circular", "dualpipe", ""):
     with pytest.raises(ValueError, match=f"no table for schedule '{name}'; the table schedules are 1f1b"):
-      schedules.table(name, 2, 4, 1)
+      tables.table(name, 2, 4, 1)
   with pytest.raises(ValueError, match="no zero-bubble order named '1f1b'"):
-    schedules.zero_bubble_order("1f1b", 2, 4)
+    tables.zero_bubble_order("1f1b", 2, 4)
 
 
 def test_the_rest_of_the_model_accumulates_its_gradients_where_its_part_runs():
@@ -546,13 +547,13 @@ def test_the_rest_of_the_model_accumulates_its_gradients_where_its_part_runs():
   params = {"both": jnp.ones((3,)), "first": jnp.ones((5, 2)), "last": jnp.ones((2,)), "unused": jnp.ones((4,))}
   first_fn = lambda p, x: p["both"].sum() * p["first"].sum() * x
   post_fn = lambda p, h, x: p["both"].sum() + p["last"].sum() * h * x
-  first = schedules.used_leaves(first_fn, params, 1.0)
-  post = schedules.used_leaves(post_fn, params, 1.0, 1.0)
+  first = restgrads.used_leaves(first_fn, params, 1.0)
+  post = restgrads.used_leaves(post_fn, params, 1.0, 1.0)
   order = sorted(params)  # the leaves in tree order: both, first, last, unused
   assert dict(zip(order, first)) == {"both": True, "first": True, "last": False, "unused": False}
   assert dict(zip(order, post)) == {"both": True, "first": False, "last": True, "unused": False}
 
-  layout = schedules.RestGrads(schedules.one_f_one_b(4, 8), params, first, post)
+  layout = restgrads.RestGrads(tables.one_f_one_b(4, 8), params, first, post)
   assert (layout.first_stage, layout.post_stage, layout.whole, layout.size) == (0, 3, [0], 10)
   acc = layout.add(layout.init(), "first", [jnp.full((3,), 1.0), jnp.arange(10.0).reshape(5, 2)])
   acc = layout.add(acc, "first", [jnp.full((3,), 1.0), jnp.ones((5, 2))])
@@ -568,7 +569,7 @@ def test_the_rest_of_the_model_accumulates_its_gradients_where_its_part_runs():
   np.testing.assert_array_equal(on_3["first"], 0.0)
   np.testing.assert_array_equal(layout.tree(acc, 1)["last"], 0.0)  # a middle stage runs neither part
 
-  v = schedules.RestGrads(schedules.dualpipev(4, 8), params, first, post)
+  v = restgrads.RestGrads(tables.dualpipev(4, 8), params, first, post)
   assert (v.first_stage, v.post_stage, v.whole, v.size) == (0, 0, [0, 1, 2], 0)
 
 

@@ -1,4 +1,4 @@
-"""The backward of a pipeline chunk split into b and W (sharding/wsplit.py): the same values as the whole vjp, and
+"""The backward of a pipeline chunk split into b and W (pipeline/wsplit.py): the same values as the whole vjp, and
 every matmul computed once."""
 
 import jax
@@ -10,7 +10,7 @@ from flax import nnx
 from conftest import load_config
 from jaxseek import step as step_lib
 from jaxseek.model import remat as remat_lib
-from jaxseek.sharding import wsplit
+from jaxseek.pipeline import wsplit
 from jaxseek.sharding.mesh import make_mesh
 
 

@@ -1,9 +1,9 @@
-"""Zero-bubble orders (sharding/zero_bubble.py): every op once and after what it reads, and their bubbles."""
+"""Zero-bubble orders (pipeline/zero_bubble.py): every op once and after what it reads, and their bubbles."""
 
 import numpy as np
 import pytest
 
-from jaxseek.sharding import zero_bubble as zb
+from jaxseek.pipeline import zero_bubble as zb
 
 ORDERS = {"zb_h1": zb.zb_h1, "zbv": zb.zbv, "dualpipev_zb": zb.dualpipev_zb}
 

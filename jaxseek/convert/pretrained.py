@@ -25,8 +25,9 @@ from jaxseek.config import ModelConfig
 from jaxseek.convert import fp8, hf, mapping
 from jaxseek.errors import UserError
 from jaxseek.model.moe import RouterBias
-from jaxseek.model.transformer import Transformer
-from jaxseek.sharding import pipeline, rules
+from jaxseek.model.transformer import STACKS, Transformer
+from jaxseek.pipeline import stages as pipeline
+from jaxseek.sharding import rules
 
 ITEMS = {"params": nnx.Param, "biases": RouterBias}
 
@@ -178,7 +179,7 @@ def from_checkpoint(path: str | Path, *, param_dtype: str = "float32", dtype: st
                                 f"{path / 'config.yaml'}", "it is incomplete, corrupt or another model's"):
       restored = manager.restore(step, args=ocp.args.Composite(
           # the layers of a padded pipeline layout are its first rows (the model config is config.yaml's)
-          state=checkpoint_lib.restore_args(abstract, partial=True, resized=pipeline.STACKS),
+          state=checkpoint_lib.restore_args(abstract, partial=True, resized=STACKS),
           config=ocp.args.JsonRestore()))
   # layers saved in a circular pipeline's storage order go back to layer order
   arrays = pipeline.reorder(restored["state"], pipeline.stack_sizes(cfg.model),

@@ -222,7 +222,7 @@ def compression_table(model: ex.Model, sizes, stage, stages) -> dict:
 
 
 def pipeline_splits_batch(cfg, sizes) -> bool:
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   return pipeline_lib.splits_batch(cfg, sizes)
 
@@ -232,7 +232,7 @@ def _layer_runs(cfg, sizes, micro, passes):
   per microbatch on rows not split over `pipeline`, on every stage; without a pipeline everything runs per
   microbatch; with GPipe the rest (other stacks, MTP) runs once on the whole batch on every stage; with a table
   schedule per microbatch on the first or last stage (`layout.outer_role`)."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   S, B, m = sizes["pipeline"], cfg.train.batch_size, cfg.model
   inner = {**sizes, "pipeline": 1}
@@ -344,7 +344,7 @@ def shards_per_node(sizes: dict[str, int], hw: Hardware) -> int:
 
 def _activations(cfg, sizes, hw, micro, passes, platform="gpu"):
   """Tensor-parallel partial sums, expert dispatch, context key/value gathers, pipeline sends."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   m = cfg.model
   t, ctx, S = sizes["tensor"], sizes["context"], sizes["pipeline"]
@@ -426,7 +426,7 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
   """FLOPs per device per step, the time at peak, and the pipeline bubble's share (the pipelined stacks'
   compute stretched by ticks / (R·M)); under 1F1B the pipelined stacks' forward runs twice (recomputed in the
   backward) unless train.remat=full already counts it."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   cfg = model.cfg
   flops = model.flops_per_token * cfg.train.batch_size * cfg.train.seq_len
@@ -443,13 +443,13 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
       share = n / max(m.num_hidden_layers, 1)  # of the step's layer compute (the head counted with the rest)
       padded = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) / n  # identity padding runs too
       if one_f_one_b:
-        from jaxseek.sharding import schedules
+        from jaxseek.pipeline import tables
 
-        stretch = 1 / (1 - schedules.for_config(cfg, S, R).bubble())
+        stretch = 1 / (1 - tables.for_config(cfg, S, R).bubble())
         if cfg.train.remat != "full":  # 1F1B recomputes each chunk's forward in its backward
           seconds += seconds * share * padded / 3
       else:
-        stretch = pipeline_lib.num_ticks(S, M, R) / (R * M)
+        stretch = 1 / (1 - pipeline_lib.bubble(cfg.train.pipeline_schedule, S, M, R))
       bubble += seconds * share * (stretch * padded - 1)
   return {"flops_per_device": per_device, "time_s": seconds, "bubble_s": bubble}
 

@@ -23,7 +23,7 @@ from jaxseek.explore import layout as layout_lib
 from jaxseek.explore import memory as memory_lib
 from jaxseek.explore.comm import Hardware
 from jaxseek.explore.layout import Model, describe
-from jaxseek.sharding import pipeline as pipeline_lib
+from jaxseek.pipeline import stages as pipeline_lib
 from jaxseek.sharding import rules as rules_lib
 from jaxseek.sharding.mesh import resolve_sizes
 

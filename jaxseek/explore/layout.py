@@ -7,7 +7,7 @@ Everything here is analytic and needs no devices: shapes come from the train sta
 A parameter's place on the mesh is written in the scaling-book notation: `w_gate[L, D_fsdp, F_tensor]` splits
 D over the fsdp axis and F over tensor; only axes larger than 1 are shown.
 
-The pipeline axis, as the train step places it (sharding/pipeline.py): a layer stack the stage count S divides,
+The pipeline axis, as the train step places it (pipeline/stages.py): a layer stack the stage count S divides,
 or with at least 2·S layers, is split into S stages (each holds L/S layers, after identity padding to a multiple
 of S·R when S·R does not divide L). Everything else (another stack, the embedding, the final norm, the head,
 the multi-token-prediction layers: the *outer* weights) is placed by `rules.param_spec` with the mesh: stored
@@ -148,7 +148,7 @@ def _letters(path: str, names: tuple[str | None, ...]) -> str:
 def stage_layers(cfg: Config, pipeline: int) -> list[dict[str, int]]:
   """Layer rows of each stack on each pipeline stage: its stored rows / S for a pipelined stack (padded to a
   multiple of S·R when S·R does not divide it), else all L (it runs on every stage). The same on every stage."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   m, R = cfg.model, cfg.train.pipeline_repeats
   held = {"dense_layers": m.num_dense_layers, "moe_layers": m.num_moe_layers}
@@ -159,7 +159,7 @@ def stage_layers(cfg: Config, pipeline: int) -> list[dict[str, int]]:
 
 def pipelined(cfg: Config, stack: str, pipeline: int) -> bool:
   """Whether a layer stack is split over the pipeline stages."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   n = {"dense_layers": cfg.model.num_dense_layers, "moe_layers": cfg.model.num_moe_layers}.get(stack, 0)
   return pipeline_lib.stack_repeats(n, pipeline, 1) > 0
@@ -173,7 +173,7 @@ def outer(cfg: Config, leaf: Leaf, pipeline: int) -> bool:
 
 def table_schedule(cfg: Config, pipeline: int) -> bool:
   """Whether a table schedule (1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV) runs the whole model inside the pipeline."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   return pipeline > 1 and cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
 
@@ -182,7 +182,7 @@ def outer_role(cfg: Config, stack: str | None, pipeline: int) -> str:
   """Which stage runs an outer part under a table schedule: the embedding and the stacks before the pipelined
   one run with the first virtual stage ("first"), the rest with the last ("last"); the V (ZB-V, DualPipeV) puts
   both on stage 0."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   if pipeline_lib.shape(cfg) == "v":
     return "first"
@@ -217,7 +217,7 @@ def leaves_on(model: Model, sizes: dict[str, int]) -> tuple[Leaf, ...]:
   """The state leaves placed on this mesh as the train step places them: `rules.param_spec` with the mesh and
   the stored shape (a pipelined stack padded to its stored layers), `pipeline` left off a layer dimension
   (`on_stage` gives a stage its layers)."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   S = sizes["pipeline"]
   if S == 1:

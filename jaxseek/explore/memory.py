@@ -14,12 +14,12 @@ larger of the two counts. Each layer run counts once:
 With S > 1 the weights outside the pipelined stack are stored 1/S per stage where `rules.param_spec` splits them
 over `pipeline` (parameters, gradients, optimiser state) and held whole during the step: gathered in the
 parameter dtype (`gathered_weights`); under a table schedule (1F1B, interleaved 1F1B, DualPipeV) their
-gradients are accumulated in float32 through the schedule as `schedules.RestGrads` lays them out (`gradients`).
+gradients are accumulated in float32 through the schedule as `restgrads.RestGrads` lays them out (`gradients`).
 The MoE dispatch buffers are those of `dispatch` (model.moe_dispatch: fixed P·C-row buffers on CPU, the ragged
 exchange of the x·K token copies into R = ⌈f·x·K⌉ rows on GPU and TPU).
 
 Without a pipeline, accumulation runs one microbatch (B/M rows) at a time: one run per layer. With S stages, a
-pipelined stack's schedule saves every tick (sharding/pipeline.py): ticks × L/(S·R) layer runs per stage on a
+pipelined stack's schedule saves every tick (pipeline/stages.py): ticks × L/(S·R) layer runs per stage on a
 microbatch of B/M rows (not split over `pipeline`), ticks = R·M + S − 1; everything else (unpipelined stacks,
 MTP, head) runs once on the whole batch split over pipeline × data × fsdp × expert.
 """
@@ -289,7 +289,7 @@ def _split(tensors: list[Tensor], sizes: dict[str, int]) -> tuple[int, int]:
 
 def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dict[str, Any]:
   """Bytes per device by kind on a pipeline stage (all stages hold the same), with its layers."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   cfg, S = model.cfg, sizes["pipeline"]
   B, M = cfg.train.batch_size, cfg.train.microbatches
@@ -309,9 +309,9 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
       R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
       chunk = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) // (S * R)  # padding included
       if one_f_one_b:  # the stage inputs and cotangents the table keeps, one chunk's backward (its forward recomputed)
-        from jaxseek.sharding import schedules
+        from jaxseek.pipeline import tables
 
-        table = schedules.for_config(cfg, S, R)
+        table = tables.for_config(cfg, S, R)
         kept = (table.slots + table.grad_slots) * stage_input(cfg, B // M, platform).bytes(inner)
         runs.append((chunk, moe, B // M, inner))
         if table.stash_slots:  # zero-bubble: what W reads (the layers' matmul inputs and output cotangents), kept
@@ -399,7 +399,7 @@ def outer_whole(model: ex.Model, sizes: dict[str, int]) -> tuple[int, int]:
   """The weights outside the pipelined stack held whole on a stage for the step: those split over `pipeline`
   (`rules.param_spec`) gathered (under a table schedule in the compute dtype, `layout.gathered_itemsize`); and
   their whole gradients. Under a table schedule they are accumulated in float32 through the schedule (summed
-  over the stages after it) as `schedules.RestGrads` lays them out: a whole accumulator for the leaves both
+  over the stages after it) as `restgrads.RestGrads` lays them out: a whole accumulator for the leaves both
   parts read (the embedding with MTP) and for those an automatic axis splits (tensor, fsdp under ZeRO-3), one
   buffer as long as the larger part for the others (both parts' when they run on one stage, as in DualPipeV). Under GPipe those of the split ones before their reduce-scatter
   (parameter dtype). Returns (gathered bytes, gradient bytes); with fsdp > 1 the embedding and head are left to

@@ -196,7 +196,7 @@ def _parse_absl_flags() -> None:
 
 def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict[str, NamedSharding]:
   """The global batch's shardings (with `cfg`: over the stages too only where the pipeline splits the batch)."""
-  from jaxseek.sharding import pipeline as pipeline_lib
+  from jaxseek.pipeline import stages as pipeline_lib
 
   with pipeline_lib.batch_rules(cfg, dict(mesh.shape)) if cfg is not None else contextlib.nullcontext():
     return {k: NamedSharding(mesh, activation_spec(names)) for k, names in BATCH_NAMES.items()}

@@ -18,21 +18,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseek.config import ModelConfig
-from jaxseek.model.transformer import Transformer
+from jaxseek.model.transformer import RunStack, Transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def build(cfg: ModelConfig, *, seed: int = 0, param_dtype: str = "float32", dtype: str = "float32",
-          remat: str = "none", microbatches: int = 1, pipeline_repeats: int = 1, pipeline_shape: str = "ring",
-          fp8: bool = False) -> Transformer:
+          remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None) -> Transformer:
   """Builds the model with freshly initialised parameters (wrap in nnx.eval_shape to allocate nothing).
-  `microbatches`, `pipeline_repeats` and `pipeline_shape` shape the pipeline schedule, used only on a mesh with a pipeline axis > 1
-  (the layer stacks are then expected in the storage order of sharding/pipeline.py); `fp8` rounds the MLP and
-  expert matmul inputs as FP8 training does (model/fp8.py)."""
+  `run_stack` runs each layer stack where it returns a result (a pipeline schedule: pipeline.stages.stack_runner,
+  which expects the stacks in its storage order), else the stack's own lax.scan; `fp8` rounds the MLP and
+  expert matmul inputs as FP8 training does (kernels/fp8.py)."""
   return Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=DTYPES[param_dtype], dtype=DTYPES[dtype], remat=remat,
-                     microbatches=microbatches, pipeline_repeats=pipeline_repeats, pipeline_shape=pipeline_shape,
-                     fp8=fp8)
+                     fp8=fp8, run_stack=run_stack)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -25,8 +25,7 @@ from flax import nnx
 
 from jaxseek.config import ModelConfig
 from jaxseek.model.attention import MLA, NEG, attend, expand_latent
-from jaxseek.model.transformer import Block, Stack, Transformer
-from jaxseek.sharding.pipeline import STACKS
+from jaxseek.model.transformer import STACKS, Block, Stack, Transformer
 
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -13,11 +14,15 @@ from jaxseek.model.attention import make_attention
 from jaxseek.model.layers import MLP, Embed, RMSNorm, param
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.moe import MoE
-from jaxseek.sharding import pipeline
 from jaxseek.sharding.rules import shard
 
 # the residual stream (its length also split over tensor under mesh.sequence_parallel)
 ACT_BTD = ("batch", "residual_length", "embed")
+STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (leading axis "layers"), in order
+
+# run_stack(body, layer_state, x_BTD, side, num_layers) → (x_BTD, aux), or None for the stack's own lax.scan:
+# how something outside the model (a pipeline schedule, pipeline/stages.py) runs a layer stack
+RunStack = Callable[..., "tuple[jax.Array, dict] | None"]
 
 
 class Block(nnx.Module):
@@ -46,11 +51,11 @@ class Block(nnx.Module):
 
 
 class Stack(nnx.Module):
-  """`num_layers` identical blocks whose parameters are stacked on a leading "layers" axis, run by lax.scan."""
+  """`num_layers` identical blocks whose parameters are stacked on a leading "layers" axis, run by lax.scan (or by
+  `run_stack`, where it takes the stack: body(x_BTD, layer_state, side) → (x_BTD, aux) over the layers)."""
 
   def __init__(self, cfg: ModelConfig, num_layers: int, moe: bool, *, param_dtype, dtype, remat: str,
-               microbatches: int, pipeline_repeats: int, rngs: nnx.Rngs, fp8: bool = False,
-               pipeline_shape: str = "ring"):
+               rngs: nnx.Rngs, fp8: bool = False, run_stack: RunStack | None = None):
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -63,9 +68,7 @@ class Stack(nnx.Module):
         node.set_metadata(logical_axes=("layers",) + tuple(node.get_metadata()["logical_axes"]))
     self.remat = remat
     self.num_layers = num_layers
-    self.microbatches = microbatches  # pipeline microbatches, used when the mesh has a pipeline axis > 1
-    self.pipeline_repeats = pipeline_repeats
-    self.pipeline_shape = pipeline_shape  # "v": layers stored for DualPipeV, run here in the circular order
+    self.run_stack = run_stack
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, valid_BT):
     graphdef, state = nnx.split(self.blocks)
@@ -75,15 +78,9 @@ class Stack(nnx.Module):
 
     body = remat_lib.wrap(body, self.remat)
     side = (positions_BT, segment_ids_BT, valid_BT)
-    repeats = pipeline.stack_repeats(self.num_layers, pipeline.stages(), self.pipeline_repeats)
-    if repeats:
-      layout = (pipeline.stages(), self.pipeline_repeats)
-      ring = pipeline.relayout_index(self.num_layers, (*layout, self.pipeline_shape), (*layout, "ring"))
-      if ring is not None:  # a forward outside DualPipeV's own schedule (evaluation): the V's layers gathered
-        # into ring order at each call (the rows that change stage cross the pipeline axis)
-        state = jax.tree.map(lambda a: jnp.take(a, ring, axis=0), state)
-      out, aux = pipeline.run(body, state, x_BTD, side, self.microbatches, repeats, num_layers=self.num_layers)
-      return out, aux if ring is None else jax.tree.map(lambda a: jnp.take(a, np.argsort(ring), axis=0), aux)
+    ran = None if self.run_stack is None else self.run_stack(body, state, x_BTD, side, self.num_layers)
+    if ran is not None:
+      return ran
     return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state)
 
 
@@ -131,11 +128,9 @@ class Transformer(nnx.Module):
   """The DeepSeek language model: embedding, dense stack, MoE stack, final norm, head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-               remat: str = "none", microbatches: int = 1, pipeline_repeats: int = 1, pipeline_shape: str = "ring",
-               fp8: bool = False):
+               remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None):
     D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
-    kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, microbatches=microbatches,
-              pipeline_repeats=pipeline_repeats, pipeline_shape=pipeline_shape, rngs=rngs, fp8=fp8)
+    kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, rngs=rngs, fp8=fp8, run_stack=run_stack)
     self.embed = Embed(V, D, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.dense_layers = Stack(cfg, cfg.num_dense_layers, False, **kw) if cfg.num_dense_layers else None
     self.moe_layers = Stack(cfg, cfg.num_moe_layers, True, **kw) if cfg.num_moe_layers else None
@@ -170,7 +165,7 @@ class Transformer(nnx.Module):
     those positions count in its MoE loads and balance loss (default: i+k is a real token of i's document).
     """
     x_BTD, positions_BT, valid_BT = self.begin(tokens_BT, positions_BT, segment_ids_BT)
-    x_BTD, aux = self.run_stacks(x_BTD, positions_BT, segment_ids_BT, valid_BT, pipeline.STACKS)
+    x_BTD, aux = self.run_stacks(x_BTD, positions_BT, segment_ids_BT, valid_BT, STACKS)
     return self.finish(x_BTD, aux, tokens_BT, positions_BT, segment_ids_BT, valid_BT, mtp_tokens, mtp_valid, logits)
 
   # The forward in three parts, so that a pipeline schedule can run the stack it pipelines between them.

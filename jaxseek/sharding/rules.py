@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 Rules = dict[str, tuple[str, ...]]
-PIPELINE_AXIS = "pipeline"  # the mesh axis pipeline parallelism runs over (sharding/pipeline.py, schedules.py)
+PIPELINE_AXIS = "pipeline"  # the mesh axis pipeline parallelism runs over (jaxseek/pipeline/)
 
 PARAM_RULES: Rules = {
     "embed": ("fsdp",),
@@ -140,7 +140,7 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
 def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
                mesh: jax.sharding.Mesh | None = None, rules: Rules = PARAM_RULES) -> PartitionSpec:
   """A parameter's PartitionSpec. With a pipeline axis > 1 in `mesh`, a layer stack whose layer count it
-  divides is split into stages along it (jaxseek.sharding.pipeline runs those stacks as a pipeline); every
+  divides is split into stages along it (jaxseek.pipeline runs those stacks as a pipeline); every
   other parameter (embedding, head, final norm, a stack that is not pipelined, MTP) is split over the stages
   on its model dimension ("embed", after fsdp) where that divides: stored, with its gradient and optimiser
   state, 1/S on each stage instead of whole on every one, and gathered over `pipeline` once per step where the

@@ -1,6 +1,6 @@
 """Splitting a backward into b (what the previous stage waits for) and W (what nothing waits for), exactly.
 
-Zero-bubble pipeline orders (sharding/zero_bubble.py) run a chunk's backward in two parts: b computes the
+Zero-bubble pipeline orders (pipeline/zero_bubble.py) run a chunk's backward in two parts: b computes the
 cotangent of the chunk's input, W the gradients of its weights later, from what b stashed. `split` does this
 on the traced backward itself, without touching the model: given the jaxpr of a function and which of its
 outputs b must return, it assigns every equation to b (it is needed for those outputs) or to W (it is needed
@@ -63,63 +63,78 @@ class _Part:
     self.dup = False  # a b equation W redoes (True), or may (None)
 
 
+def _b_parts(jaxpr: jcore.Jaxpr, want_b: Sequence[bool], w_free: set) -> list[_Part]:
+  """Each equation's part in b, in order: run whole in b, split (what b's outputs need of it), or "none" (for
+  `_w_parts` to assign)."""
+  need_b = {v for v, b in zip(jaxpr.outvars, want_b) if b and not _literal(v)}
+  parts: list[_Part] = []
+  for eqn in reversed(jaxpr.eqns):  # b: what its outputs need
+    used = [v in need_b for v in eqn.outvars]
+    if not any(used):
+      parts.append(_Part(eqn, "none"))
+      continue
+    sub = _sub_plan(eqn, used, w_free) if not all(used) else None
+    if sub is not None:
+      parts.append(_Part(eqn, "split", sub))
+      need_b |= {v for v in sub.b_inputs() if not _literal(v)}
+    else:
+      parts.append(_Part(eqn, "b"))
+      need_b |= {v for v in eqn.invars if not _literal(v)}
+  parts.reverse()
+  return parts
+
+
+def _w_parts(parts: list[_Part], outs: list, want_b: Sequence[bool], w_free: set) -> set:
+  """Assigns W its equations in `parts` (those W's outputs need that b did not compute; b's cheap layout ops W
+  redoes, `_Part.dup`; W's share of split equations); returns the vars W needs."""
+  # b's cheap layout ops on what W reads anyway (a weight's cast or transpose): W redoes them rather than
+  # stash their outputs
+  avail = set(w_free)
+  for part in parts:
+    if part.side == "b" and part.eqn.primitive.name in REDO and all(
+        _literal(v) or v in avail for v in part.eqn.invars):
+      avail |= set(part.eqn.outvars)
+      part.dup = None  # a candidate
+  need_w = {v for v, b in zip(outs, want_b) if b is False and not _literal(v)}
+  for part in reversed(parts):  # W: what its outputs need that b did not compute
+    if part.side == "b":
+      if part.dup is None and any(v in need_w for v in part.eqn.outvars):
+        part.dup = True
+        need_w |= {v for v in part.eqn.invars if not _literal(v)}
+      continue
+    if part.side == "split":
+      w_outs = [v in need_w for v in part.eqn.outvars]
+      part.sub.restrict_w(w_outs)
+      if any(part.sub.want_w):
+        need_w |= {v for v in part.sub.w_inputs() if not _literal(v)}
+      continue
+    if any(v in need_w for v in part.eqn.outvars):
+      part.side = "w"
+      need_w |= {v for v in part.eqn.invars if not _literal(v)}
+  return need_w
+
+
 class _Plan:
   """The split of one jaxpr: which equations run in b, in W, or split, and the vars W reads from b."""
 
   def __init__(self, jaxpr: jcore.Jaxpr, want_b: Sequence[bool], w_free: set, b_missing: set = frozenset()):
-    """want_b: per outvar, whether b returns it (True), W (False) or nobody (None); w_free: vars W may read without b (invars W is given again,
-    constvars); b_missing: invars b is not given (a loop's carries that only W runs)."""
+    """want_b: per outvar, whether b returns it (True), W (False) or nobody (None); w_free: vars W may read
+    without b (invars W is given again, constvars); b_missing: invars b is not given (a loop's carries that only W
+    runs)."""
     self.jaxpr = jaxpr
     outs = list(jaxpr.outvars)
     # a loop's output that is one of its inputs passed through (the forward scan of a vjp hands each layer's
     # weights to the backward so): W reads the input it is, when W is given that
     self.aliases = {o: a for o, a in _passed_through(jaxpr).items() if a in w_free}
     w_free = set(w_free) | set(self.aliases)
-    need_b = {v for v, b in zip(outs, want_b) if b and not _literal(v)}
-    parts: list[_Part] = []
-    for eqn in reversed(jaxpr.eqns):  # b: what its outputs need
-      used = [v in need_b for v in eqn.outvars]
-      if not any(used):
-        parts.append(_Part(eqn, "none"))
-        continue
-      sub = _sub_plan(eqn, used, w_free) if not all(used) else None
-      if sub is not None:
-        parts.append(_Part(eqn, "split", sub))
-        need_b |= {v for v in sub.b_inputs() if not _literal(v)}
-      else:
-        parts.append(_Part(eqn, "b"))
-        need_b |= {v for v in eqn.invars if not _literal(v)}
-    parts.reverse()
+    parts = _b_parts(jaxpr, want_b, w_free)
     have_b = (set(jaxpr.invars) - set(b_missing)) | set(jaxpr.constvars)
     for part in parts:
       if part.side == "b":
         have_b |= set(part.eqn.outvars)
       elif part.side == "split":
         have_b |= {v for v, u in zip(part.eqn.outvars, part.sub.want) if u}
-    # b's cheap layout ops on what W reads anyway (a weight's cast or transpose): W redoes them rather than
-    # stash their outputs
-    avail = set(w_free)
-    for part in parts:
-      if part.side == "b" and part.eqn.primitive.name in REDO and all(
-          _literal(v) or v in avail for v in part.eqn.invars):
-        avail |= set(part.eqn.outvars)
-        part.dup = None  # a candidate
-    need_w = {v for v, b in zip(outs, want_b) if b is False and not _literal(v)}
-    for part in reversed(parts):  # W: what its outputs need that b did not compute
-      if part.side == "b":
-        if part.dup is None and any(v in need_w for v in part.eqn.outvars):
-          part.dup = True
-          need_w |= {v for v in part.eqn.invars if not _literal(v)}
-        continue
-      if part.side == "split":
-        w_outs = [v in need_w for v in part.eqn.outvars]
-        part.sub.restrict_w(w_outs)
-        if any(part.sub.want_w):
-          need_w |= {v for v in part.sub.w_inputs() if not _literal(v)}
-        continue
-      if any(v in need_w for v in part.eqn.outvars):
-        part.side = "w"
-        need_w |= {v for v in part.eqn.invars if not _literal(v)}
+    need_w = _w_parts(parts, outs, want_b, w_free)
     self.parts = parts
     self.want_b = list(want_b)
     produced_w = {v for p in parts if p.side == "w" or p.dup for v in p.eqn.outvars}

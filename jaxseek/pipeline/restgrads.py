@@ -1,4 +1,4 @@
-"""Where a pipeline stage accumulates the gradients of the weights outside the pipelined stack (sharding/schedules.py
+"""Where a pipeline stage accumulates the gradients of the weights outside the pipelined stack (pipeline/executor.py
 runs them): the first virtual stage's part and the last one's, each on the stage that runs it."""
 
 from __future__ import annotations

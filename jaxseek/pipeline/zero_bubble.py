@@ -231,44 +231,54 @@ def dualpipev_zb(S: int, M: int, fuse: bool = False, packed: bool = False) -> Or
   return run_programs(S, M, v_placement(S), programs, packed)
 
 
-def _dualpipev_program(S: int, s: int, M: int, fuse: bool = False) -> list[tuple[Op, ...]]:
-  n = max(M, 2 * S)  # the order for n ≥ 2S microbatches; those past M are left out
-  counters = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
-  queue: list[tuple[int, int]] = []  # the W of zero-bubble backwards, first in first out
-  program: list[tuple[Op, ...]] = []
+class _Program:
+  """One stage's DualPipeV program as it is written down: each chunk's forwards and backwards take the next
+  microbatch (none past M), the W of zero-bubble backwards wait in a queue."""
 
-  def take(name):
-    m = counters[name]
-    counters[name] += 1
-    return m if m < M else None
+  def __init__(self, M: int, fuse: bool):
+    self.M, self.fuse = M, fuse
+    self.counters = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+    self.queue: list[tuple[int, int]] = []  # the W of zero-bubble backwards, first in first out
+    self.program: list[tuple[Op, ...]] = []
 
-  def f(r):
-    m = take(f"f{r}")
+  def take(self, name):
+    m = self.counters[name]
+    self.counters[name] += 1
+    return m if m < self.M else None
+
+  def f(self, r):
+    m = self.take(f"f{r}")
     if m is not None:
-      program.append((("f", r, m),))
+      self.program.append((("f", r, m),))
 
-  def b(r, zb=False, with_f=None):
+  def b(self, r, zb=False, with_f=None):
     """A backward of chunk r: zero-bubble (b now, its w queued) or whole (b, then w in the next tick);
     `with_f`: the chunk whose forward runs before it (in its tick when fusing)."""
-    m_f = take(f"f{with_f}") if with_f is not None else None
-    m = take(f"b{r}")
+    m_f = self.take(f"f{with_f}") if with_f is not None else None
+    m = self.take(f"b{r}")
     ops = [("f", with_f, m_f)] if m_f is not None else []
     if m is not None:
       ops.append(("b", r, m))
-    if fuse and len(ops) == 2:
-      program.append(tuple(ops))
+    if self.fuse and len(ops) == 2:
+      self.program.append(tuple(ops))
     else:
-      program.extend((op,) for op in ops)
+      self.program.extend((op,) for op in ops)
     if m is not None:
       if zb:
-        queue.append((r, m))
+        self.queue.append((r, m))
       else:
-        program.append((("w", r, m),))
+        self.program.append((("w", r, m),))
 
-  def w():
-    if queue:
-      program.append((("w", *queue.pop(0)),))
+  def w(self):
+    if self.queue:
+      self.program.append((("w", *self.queue.pop(0)),))
 
+
+def _dualpipev_program(S: int, s: int, M: int, fuse: bool = False) -> list[tuple[Op, ...]]:
+  """Stage s's program: DeepSeek's steps 1-8 (module docstring)."""
+  n = max(M, 2 * S)  # the order for n ≥ 2S microbatches; those past M are left out
+  p = _Program(M, fuse)
+  f, b, w = p.f, p.b, p.w
   for _ in range(2 * (S - s - 1)):  # 1: warm-up forwards of chunk 0
     f(0)
   for _ in range(s + 1):  # 2: chunk 0 and 1 in turn
@@ -297,6 +307,6 @@ def _dualpipev_program(S: int, s: int, M: int, fuse: bool = False) -> list[tuple
   for _ in range(S - s - 1):  # 7: W, zero-bubble B0
     w()
     b(0, zb=True)
-  while queue:  # 8: the W drain
+  while p.queue:  # 8: the W drain
     w()
-  return program
+  return p.program

@@ -29,6 +29,7 @@ initialisation; checkpoints record the layout they were written with and are re-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -39,14 +40,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseek.config import Config
 from jaxseek.errors import UserError
-from jaxseek.sharding import rules, schedules
+from jaxseek.model.transformer import STACKS
+from jaxseek.pipeline import tables
+from jaxseek.sharding import rules
 from jaxseek.sharding.rules import PIPELINE_AXIS as AXIS
 from jaxseek.sharding.rules import shard
 
-ONE_F_ONE_B = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # the train.pipeline_schedule values schedules.py runs
-
-
-STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (leading axis "layers"), in order
+ONE_F_ONE_B = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # the pipeline_schedule values tables.py runs
 
 
 def stages() -> int:
@@ -98,9 +98,24 @@ def num_ticks(num_stages: int, microbatches: int, repeats: int) -> int:
   return (groups - 1) * R * S + (R - 1) * S + (M - (groups - 1) * S - 1) + S
 
 
-def bubble_fraction(num_stages: int, microbatches: int, repeats: int = 1) -> float:
-  """Share of every stage's ticks spent idle: 1 − R·M / ticks, = (S − 1)/(R·M + S − 1) when S divides M."""
-  return 1 - max(repeats, 1) * microbatches / num_ticks(num_stages, microbatches, repeats)
+WORK = {"zb_h1": 3, "zbv": 6, "dualpipev": 6}  # a microbatch's work on a stage at F = b = W = 1, in chunk forwards
+FORMULA = {"zb_h1": "(S-1)/(3M+S-1)", "zbv": "(S-1)/(6M+S-1)", "dualpipev": "(S-1)/(6M+S-1)"}
+
+
+def bubble(schedule: str, S: int, M: int, R: int = 1) -> float:
+  """The share of every stage's time spent idle, in closed form: the fill and drain (S − 1 ticks) against a
+  stage's work of w·M ticks,
+
+      bubble = (S − 1) / (w·M + S − 1),   w = R for GPipe, circular, 1F1B and interleaved 1F1B (R chunks),
+                                          3 for ZB-H1, 6 for ZB-V and DualPipeV (F = b = W = 1 per chunk)
+
+  GPipe and circular (any schedule without a table) count 1 − R·M / ticks, the same when S divides M (else the
+  last group of microbatches is partial). ZB-H1's and ZB-V's are Qi et al.'s; DualPipeV's W fill its warm-up and
+  drain as ZB-V's do, its F&B pairs run one op a tick. They hold from M = S on (DualPipeV: M = 2S), interleaved
+  1F1B's when S divides M; elsewhere the table's count (tables.Table.bubble) is the bubble."""
+  if schedule not in ONE_F_ONE_B:
+    return 1 - max(R, 1) * M / num_ticks(S, M, R)
+  return (S - 1) / (WORK.get(schedule, max(R, 1)) * M + S - 1)
 
 
 def storage_order(num_layers: int, num_stages: int, repeats: int, shape: str = "ring") -> np.ndarray:
@@ -222,21 +237,11 @@ def check_stacks(cfg: Config, stages: int) -> None:
                     f"{counts}; choose R with mesh.pipeline x R at most the larger stack's layer count, or 1")
 
 
-ZB_FORMULA = {"zb_h1": "(S-1)/(3M+S-1)", "zbv": "(S-1)/(6M+S-1)", "dualpipev": "(S-1)/(6M+S-1)"}
-
-
-def zb_bubble(name: str, S: int, M: int) -> float:
-  """The bubble of a zero-bubble schedule with F = b = W = 1 per chunk (Qi et al.): ZB-H1's, and ZB-V's for both
-  orders on the V (DualPipeV's W fill its warm-up and drain as ZB-V's do, its F&B pairs run one op a tick).
-  It holds from M = S on (DualPipeV: M = 2S); with fewer microbatches the W cannot fill the bubbles."""
-  return (S - 1) / ((3 if name == "zb_h1" else 6) * M + S - 1)
-
-
 def unit_bubble(name: str, S: int, M: int, stashes: int = 0) -> tuple[float, str]:
-  """The bubble at F = b = W = 1 counted on the unit order's table, and the closed form (ZB_FORMULA) where the
-  table meets it, else ""."""
-  unit = schedules.zero_bubble_order(name, S, M, packed=False, stashes=stashes).bubble()
-  return unit, ZB_FORMULA[name] if math.isclose(unit, zb_bubble(name, S, M), abs_tol=1e-9) else ""
+  """The bubble at F = b = W = 1 counted on the unit order's table, and the closed form (FORMULA, `bubble`) where
+  the table meets it, else ""."""
+  unit = tables.zero_bubble_order(name, S, M, packed=False, stashes=stashes).bubble()
+  return unit, FORMULA[name] if math.isclose(unit, bubble(name, S, M), abs_tol=1e-9) else ""
 
 
 TABLE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -258,10 +263,9 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   for schedule, R in TABLE_SCHEDULES:
     if not n or stack_repeats(n, stages, R) != R:
       continue
-    for recompute in (True, False) if schedule in schedules.SPLIT else (True,):
-      table = schedules.table(schedule, stages, M, R, recompute=recompute)
-      unit = (schedules.zero_bubble_order(schedule, stages, M, packed=False).bubble() if table.split
-              else table.bubble())
+    for recompute in (True, False) if schedule in tables.SPLIT else (True,):
+      table = tables.table(schedule, stages, M, R, recompute=recompute)
+      unit = unit_bubble(schedule, stages, M)[0] if table.split else table.bubble()
       chunk = stored_layers(n, stages, R) // (stages * R)
       ops = {k: int((table.steps[f"{k}_micro"][:, 0] >= 0).sum()) for k in ("f", "b", "w")
              if f"{k}_micro" in table.steps}
@@ -292,7 +296,7 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
   r = max(rounds)
   formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
   if cfg.train.pipeline_schedule in ONE_F_ONE_B:
-    table = schedules.for_config(cfg, stages, r)
+    table = tables.for_config(cfg, stages, r)
     name, v = cfg.train.pipeline_schedule, shape(cfg) == "v"
     schedule = {"dualpipev": "DualPipeV, DeepSeek's order on a V, backward split into b and W",
                 "zbv": "ZB-V, 2 chunks on a V, backward split into b and W",
@@ -311,19 +315,18 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
       unit, closed = unit_bubble(name, stages, M, cfg.train.pipeline_stashes)
       formula = (f"of the table run (F=1, b=2 as it recomputes the forward, W=1; at F=b=W=1 "
                  f"{closed + ' = ' if closed else ''}{100 * unit:.1f}%)")
-    bubble = table.bubble() if table.split else 1 - r * M / (r * M + stages - 1) if M % stages == 0 or r <= 1 \
-        else table.bubble()
+    idle = bubble(name, stages, M, r) if not table.split and (M % stages == 0 or r <= 1) else table.bubble()
   else:
     schedule = "GPipe" if r <= 1 else f"circular, {r} repeats"
     keeps = "all microbatches' activations kept until the backward; embedding, head and MTP run on every stage"
-    bubble = bubble_fraction(stages, M, r)
+    idle = bubble(cfg.train.pipeline_schedule, stages, M, r)
   outside = ""
   if sizes is not None and not splits_batch(cfg, sizes):
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     outside = (f" | train.batch_size={cfg.train.batch_size} is not divisible by pipeline x data x fsdp x expert = "
                f"{stages * shards}: outside the schedule the batch is split over data x fsdp x expert = {shards} "
                f"only, every stage computing the same rows")
-  return (f"pipeline: {stages} stages x {M} microbatches ({schedule}), bubble {formula} = {100 * bubble:.1f}% | "
+  return (f"pipeline: {stages} stages x {M} microbatches ({schedule}), bubble {formula} = {100 * idle:.1f}% | "
           f"{', '.join(stacks)}; {keeps}; weights outside the pipelined stack stored 1/{stages} per stage{outside}")
 
 
@@ -391,6 +394,33 @@ def run(body: Callable, layer_state, x_BTD: jax.Array, side: tuple, microbatches
   # microbatch split over pipeline × data × …, which after merging is the batch's own split)
   out_MbTD = shard(out_MbTD, (None, "batch", "length", "embed"))
   return merge_microbatches(out_MbTD), zero_padding_rows(aux, jax.tree.leaves(layer_state)[0].shape[0], num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackRunner:
+  """The model's `run_stack` hook (model/transformer.py Stack) for a GPipe or circular schedule: runs a layer
+  stack as a pipeline on a mesh whose pipeline axis splits it, else returns None (the model's own scan)."""
+
+  microbatches: int
+  repeats: int
+  shape: str = "ring"  # "v": layers stored for DualPipeV, run here in the circular order
+
+  def __call__(self, body: Callable, layer_state, x_BTD: jax.Array, side: tuple, num_layers: int):
+    repeats = stack_repeats(num_layers, stages(), self.repeats)
+    if not repeats:
+      return None
+    layout = (stages(), self.repeats)
+    ring = relayout_index(num_layers, (*layout, self.shape), (*layout, "ring"))
+    if ring is not None:  # a forward outside DualPipeV's own schedule (evaluation): the V's layers gathered
+      # into ring order at each call (the rows that change stage cross the pipeline axis)
+      layer_state = jax.tree.map(lambda a: jnp.take(a, ring, axis=0), layer_state)
+    out, aux = run(body, layer_state, x_BTD, side, self.microbatches, repeats, num_layers=num_layers)
+    return out, aux if ring is None else jax.tree.map(lambda a: jnp.take(a, np.argsort(ring), axis=0), aux)
+
+
+def stack_runner(cfg: Config) -> StackRunner:
+  """The `run_stack` of cfg's pipeline (model.build): its microbatches, repeats and how chunks sit on stages."""
+  return StackRunner(cfg.train.microbatches, cfg.train.pipeline_repeats, shape(cfg))
 
 
 def work_item(k: jax.Array, S: int, M: int, R: int, items: int) -> tuple[jax.Array, jax.Array, jax.Array]:
