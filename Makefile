@@ -28,7 +28,10 @@ $(VENV)/.installed-dev: pyproject.toml $(LOCK) | $(BIN)/python
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-# constraints.txt from the versions installed in .venv (upgrade one there first: .venv/bin/pip install -U NAME)
+# constraints.txt from the versions installed in .venv (upgrade one there first: .venv/bin/pip install -U NAME).
+# A new JAX: pyproject.toml bounds jax to the minor version tested (the zero-bubble schedules' backward split,
+# jaxseek/pipeline/wsplit.py, reads JAX internals). Install it in .venv (.venv/bin/pip install "jax==X.Y.Z"),
+# run make test-full, then raise the bound in pyproject.toml and wsplit.TESTED_JAX, and make lock.
 lock: | $(VENV)/.installed-dev
 	$(BIN)/python scripts/lock.py --extras dev,convert,plot --out $(LOCK)
 

@@ -1,14 +1,18 @@
 """The backward of a pipeline chunk split into b and W (pipeline/wsplit.py): the same values as the whole vjp, and
 every matmul computed once."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jcore
 
 from conftest import load_config
 from jaxseek import step as step_lib
+from jaxseek.errors import UserError
 from jaxseek.model import remat as remat_lib
 from jaxseek.pipeline import wsplit
 from jaxseek.sharding.mesh import make_mesh
@@ -118,3 +122,29 @@ def test_a_shard_map_splits_into_a_b_and_a_w_shard_map(check_vma):
     # the forward's output product, which nothing reads, runs in neither
     assert count_dots(split.w, stash, *args[1:3]) == 2 and count_dots(split.b, *args) == count_dots(
         backward, *args) - 2 - 1
+
+
+def test_split_schedules_are_refused_where_jax_changed_what_the_split_reads(monkeypatch):
+  """The split checks at import what it reads from JAX: nothing is missing on the tested JAX; a JAX whose
+  JaxprEqn lost `ctx` is found out, and then zb_h1, zbv and dualpipev are refused before anything runs, in one
+  line naming the JAX that works, while 1f1b still runs."""
+  assert wsplit.MISSING == ()
+
+  class Eqn:
+    __slots__ = ("invars", "outvars", "primitive", "params", "source_info")
+
+  core = types.SimpleNamespace(JaxprEqn=Eqn, **{n: getattr(jcore, n) for n in ("Literal", "Jaxpr", "ClosedJaxpr",
+                                                                                 "Primitive")})
+  assert wsplit.missing(core=core) == ("JaxprEqn.ctx",)
+  monkeypatch.setattr(wsplit, "MISSING", wsplit.missing(core=core))
+  layers = ("mesh.pipeline=4", "mesh.data=2", "model.num_hidden_layers=8")
+  for schedule in ("zb_h1", "zbv", "dualpipev"):
+    cfg = load_config("tiny-dense", *layers, f"train.pipeline_schedule={schedule}",
+                      f"train.pipeline_repeats={1 if schedule == 'zb_h1' else 2}")
+    with pytest.raises(UserError) as refused:
+      step_lib.check_setup(cfg, make_mesh(cfg))
+    assert str(refused.value) == (
+        f"config key train.pipeline_schedule: {schedule} needs the backward split, which reads JAX internals that "
+        f"jax {jax.__version__} changed (JaxprEqn.ctx); install jax==0.10.2 (make install pins it) or use 1f1b")
+  cfg = load_config("tiny-dense", *layers, "train.pipeline_schedule=1f1b")
+  step_lib.check_setup(cfg, make_mesh(cfg))

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from jaxseek.config import Config
 from jaxseek.errors import UserError
 from jaxseek.model.transformer import STACKS
-from jaxseek.pipeline import tables
+from jaxseek.pipeline import tables, wsplit
 from jaxseek.sharding import rules
 from jaxseek.sharding.rules import PIPELINE_AXIS as AXIS
 from jaxseek.sharding.rules import shard
@@ -215,8 +215,10 @@ def pipelined_stack(model_cfg, num_stages: int, repeats: int) -> str:
 
 def check_stacks(cfg: Config, stages: int) -> None:
   """Refuses a pipeline longer than every layer stack (nothing would be pipelined), and repeats no stack can make
-  (each stage would need R chunks of at least one layer)."""
+  (each stage would need R chunks of at least one layer), and a split backward the installed JAX cannot run."""
   m, R = cfg.model, cfg.train.pipeline_repeats
+  if stages > 1 and cfg.train.pipeline_schedule in tables.SPLIT:
+    wsplit.check("train.pipeline_schedule", cfg.train.pipeline_schedule)
   counts = f"({m.num_dense_layers} dense, {m.num_moe_layers} MoE layers)"
   if stages > 1 and not any(stack_repeats(n, stages, 1) for n in (m.num_dense_layers, m.num_moe_layers)):
     raise UserError(f"config key mesh.pipeline: {stages} stages split neither layer stack {counts}; a stack is "

@@ -33,8 +33,56 @@ import dataclasses
 from typing import Sequence
 
 import jax
-from jax._src import source_info_util
 from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from jaxseek.errors import UserError
+
+# What the split reads from JAX: jax.extend's names, which JAX may change in any release (pyproject.toml bounds
+# jax to the minor version tested; `missing` checks them at import).
+TESTED_JAX = "0.10.2"
+READS = {
+    "jax.extend.core": ("Literal", "Jaxpr", "ClosedJaxpr", "JaxprEqn", "Primitive"),
+    "jax.extend.source_info_util": ("current_name_stack", "user_context", "SourceInfo"),
+    "JaxprEqn": ("invars", "outvars", "primitive", "params", "source_info", "ctx"),
+    "Jaxpr": ("constvars", "invars", "outvars", "eqns"),
+    "ClosedJaxpr": ("jaxpr", "consts"),
+    "Primitive": ("name", "bind", "get_bind_params", "multiple_results"),
+    "Literal": ("val",),
+    "SourceInfo": ("traceback", "name_stack"),
+}
+
+
+def _has(owner, name: str) -> bool:
+  """Whether a module or class has `name` (a class's slots and dataclass fields count)."""
+  return hasattr(owner, name) or name in getattr(owner, "__slots__", ()) or name in getattr(
+      owner, "__dataclass_fields__", {})
+
+
+def missing(core=jcore, source_info=source_info_util) -> tuple[str, ...]:
+  """What of READS the given JAX modules lack ("JaxprEqn.ctx", ...): empty on the JAX this module was tested on."""
+  modules = {"jax.extend.core": core, "jax.extend.source_info_util": source_info}
+  gone = [f"{where}.{name}" for where, mod in modules.items() for name in READS[where] if not _has(mod, name)]
+  owners = {"SourceInfo": getattr(source_info, "SourceInfo", None),
+            **{n: getattr(core, n, None) for n in READS["jax.extend.core"]}}
+  if owners["Primitive"] is not None:
+    owners["Primitive"] = owners["Primitive"]("probe")  # its name is set per instance
+  for where, owner in owners.items():
+    if owner is not None and where in READS:
+      gone += [f"{where}.{name}" for name in READS[where] if not _has(owner, name)]
+  return tuple(gone)
+
+
+MISSING = missing()  # checked once, at import
+
+
+def check(key: str, value: str) -> None:
+  """Refuses config `key` = `value`, a schedule whose backward is split, when the installed JAX lacks what the
+  split reads (MISSING)."""
+  if MISSING:
+    raise UserError(f"config key {key}: {value} needs the backward split, which reads JAX internals that jax "
+                    f"{jax.__version__} changed ({', '.join(MISSING)}); install jax=={TESTED_JAX} (make install "
+                    f"pins it) or use 1f1b")
 
 # layout and dtype ops W redoes from what it reads anyway instead of stashing their outputs
 REDO = ("convert_element_type", "transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy",
