@@ -66,7 +66,7 @@ class ModelConfig:
   # grouped GEMM kernels, forward and backward; GPU only, 16-bit inputs); "auto" picks tokamax on GPU (blocked
   # for float32 compute or without tokamax), blocked on CPU, ragged_dot on TPU.
   moe_matmul: Literal["auto", "blocked", "ragged_dot", "tokamax", "tokamax_triton"] = "auto"
-  # Expert-parallel dispatch (model/moe.py, docs/moe.md): "fixed" sends C rows to every expert shard with
+  # Expert-parallel dispatch (sharding/experts.py, docs/moe.md): "fixed" sends C rows to every expert shard with
   # all_to_all (padded: any backend); "ragged" exchanges the copy counts first, then sends exactly the routed
   # copies with ragged_all_to_all into one receive buffer per device, grouped by local expert (GPU, TPU: XLA:CPU
   # has no ragged-all-to-all); "auto" is ragged on GPU and TPU, fixed elsewhere.
@@ -85,7 +85,7 @@ class ModelConfig:
   # over key blocks, fully masked causal blocks skipped, memory linear in the length: any backend), or a tokamax
   # GPU kernel: "mosaic" (Mosaic GPU flash attention, Hopper and later, 16-bit inputs), "triton", "cudnn".
   # "auto": mosaic on GPU (triton for float32), blocked elsewhere (dense when the sequence is one block).
-  # jaxseek/model/kernels.py, docs/kernels.md.
+  # jaxseek/kernels/choice.py, docs/kernels.md.
   attention_impl: Literal["auto", "dense", "blocked", "mosaic", "triton", "cudnn"] = "auto"
   # Attention under context parallelism (jaxseek's own key): "gather" the keys and values (MLA: its latent) over
   # the axis at once, or pass their chunks round a "ring" (one chunk's keys, values and scores at a time: less
@@ -240,7 +240,7 @@ class TrainConfig:
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "save_dots", "minimal", "offload", "full"] = "none"  # what a layer keeps: model/remat.py
-  fp8: bool = False  # FP8 (e4m3, 1x128 / 128x128 scales) MLP and expert matmul inputs, emulated: model/fp8.py
+  fp8: bool = False  # FP8 (e4m3, 1x128 / 128x128 scales) MLP and expert matmul inputs, emulated: kernels/fp8.py
   # the head and cross entropy: "chunked" over tokens (no float32 logits [B, T, V] in memory) or "full" (the
   # reference): model/loss.py
   loss_impl: Literal["chunked", "full"] = "chunked"

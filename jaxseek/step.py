@@ -20,7 +20,7 @@ from jaxseek import model as model_lib
 from jaxseek import objective
 from jaxseek import optim
 from jaxseek.errors import UserError
-from jaxseek.model import kernels
+from jaxseek.kernels import choice, gpu
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left, target_exists
@@ -116,16 +116,16 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> Non
   if not backend:
     return
   platform = mesh.devices.flat[0].platform
-  where, cc = kernels.device_target(mesh.devices.flat[0])
+  where, cc = choice.device_target(mesh.devices.flat[0])
   # kernels that cannot run on these devices are refused now, not while tracing
-  kinds = {kernels.attention_kind(m.attention_impl, cfg.train.seq_len, where, cfg.train.compute_dtype,
+  kinds = {choice.attention_kind(m.attention_impl, cfg.train.seq_len, where, cfg.train.compute_dtype,
                                   capability=cc, head_dims=m.attention_head_dims)}
   if m.is_moe:
-    kinds.add(kernels.matmul_kind(m.moe_matmul, where, cfg.train.compute_dtype, capability=cc,
-                                  dims=kernels.expert_dims(cfg, mesh.shape["tensor"])))
-    kernels.dispatch_kind(m.moe_dispatch, where)  # ragged needs ragged-all-to-all (not on XLA:CPU)
-  if kinds & (set(kernels.GPU_ATTENTION) | set(kernels.GPU_MATMUL)):
-    kernels.tokamax_module()
+    kinds.add(choice.matmul_kind(m.moe_matmul, where, cfg.train.compute_dtype, capability=cc,
+                                 dims=choice.expert_dims(cfg, mesh.shape["tensor"])))
+    choice.dispatch_kind(m.moe_dispatch, where)  # ragged needs ragged-all-to-all (not on XLA:CPU)
+  if kinds & (set(choice.GPU_ATTENTION) | set(choice.GPU_MATMUL)):
+    gpu.tokamax_module()
   why = remat_lib.check_backend(cfg.train.remat, platform)
   if why:
     raise UserError(why)

@@ -23,8 +23,8 @@ from jaxseek import faults
 from jaxseek.evaluate import Evaluator
 from jaxseek.errors import RunStopped, UserError, cli
 from jaxseek.explore import suggest as explore_suggest
-from jaxseek.model import kernels
-from jaxseek.sharding import gradsum
+from jaxseek.kernels import choice
+from jaxseek.sharding import experts, gradsum
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.pipeline import stages as pipeline_lib
 from jaxseek.step import TrainState, Trainer, check_setup, compile_step, compression_summary, make_trainer
@@ -101,12 +101,12 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   n_params = sum(x.size for x in jax.tree.leaves(logical))
   _log(f"jaxseek: {n_params / 1e6:.2f}M parameters | mesh {mesh_lib.describe(mesh)} | "
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
-  _log(kernels.summary(cfg, *kernels.device_target(mesh.devices.flat[0]), tensor=mesh.shape["tensor"]))
+  _log(choice.summary(cfg, *choice.device_target(mesh.devices.flat[0]), tensor=mesh.shape["tensor"]))
   if mesh.shape["pipeline"] > 1:
     _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"], dict(mesh.shape)))
   if cfg.model.is_moe:
     with jax.set_mesh(mesh):
-      _log(kernels.dispatch_summary(cfg, dict(mesh.shape)))
+      _log(experts.dispatch_summary(cfg, dict(mesh.shape)))
   _log(gradsum.summary(cfg, dict(mesh.shape)))
   if (line := compression_summary(cfg, trainer, mesh)) is not None:
     _log(line)

@@ -60,7 +60,7 @@ class Hardware:
   inter_node_gbps: float = 400.0  # gigabits/s: one 400G InfiniBand NDR port per GPU
   devices_per_node: int = 8
   usable_fraction: float = 0.9  # of memory_bytes, leaving room for XLA's workspace and fragmentation
-  capability: float = 9.0  # CUDA compute capability: which kernels `auto` picks (model/kernels.py)
+  capability: float = 9.0  # CUDA compute capability: which kernels `auto` picks (kernels/choice.py)
 
   def link(self, axis: str, sizes: dict[str, int]) -> str:
     inner = math.prod(sizes[a] for a in MESH_AXES[MESH_AXES.index(axis):])

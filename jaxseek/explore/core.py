@@ -17,7 +17,7 @@ from typing import Any
 from jaxseek.config import Config
 from jaxseek.errors import UserError
 from jaxseek.metrics import PEAK_TFLOPS
-from jaxseek.model import kernels
+from jaxseek.kernels import choice as kernels
 from jaxseek.explore import comm as comm_lib
 from jaxseek.explore import layout as layout_lib
 from jaxseek.explore import memory as memory_lib
@@ -33,7 +33,7 @@ SCHEMA = 1
 # Named devices: memory in MiB as the driver reports it, and the PEAK_TFLOPS key (dense bf16).
 GPUS = {"h100-80g": (81559, "h100"), "h800-80g": (81559, "h800"), "h200-141g": (143771, "h200"),
         "a100-80g": (81920, "a100"), "a100-40g": (40960, "a100"), "b200-180g": (182642, "b200")}
-# CUDA compute capability by PEAK_TFLOPS key: which kernels `auto` picks there (model/kernels.py)
+# CUDA compute capability by PEAK_TFLOPS key: which kernels `auto` picks there (kernels/choice.py)
 CAPABILITY = {"h100": 9.0, "h800": 9.0, "h200": 9.0, "gh200": 9.0, "a100": 8.0, "a800": 8.0, "l40s": 8.9,
               "b200": 10.0}
 DEFAULT_GPU = "h100-80g"
@@ -79,7 +79,7 @@ def _detect() -> tuple[str, int, float, float] | None:
   """The local accelerator's name, memory limit, peak and compute capability, when JAX sees one."""
   import jax
 
-  from jaxseek.model import kernels
+  from jaxseek.kernels import choice as kernels
 
   device = jax.local_devices()[0]
   if device.platform == "cpu":

@@ -95,7 +95,7 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
   stats = compiled.memory_analysis()
   text = compiled.as_text()
   calls = collections.Counter(CUSTOM_CALL.findall(text))
-  from jaxseek.model import kernels
+  from jaxseek.kernels import choice as kernels
 
   return {"target": target, "devices": n, "hosts": n // per_host, "device_kind": devices[0].device_kind,
           "compute_capability": kernels.capability(devices[0]),
