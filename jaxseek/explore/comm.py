@@ -109,7 +109,7 @@ def _weights(model: ex.Model, sizes, stage, stages, micro, passes):
 
 def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
   cfg, S = model.cfg, sizes["pipeline"]
-  c = em.ITEMSIZE[cfg.train.compute_dtype]
+  c = ex.ITEMSIZE[cfg.train.compute_dtype]
   table = ex.table_schedule(cfg, S)
   summed = summed_axes(cfg, sizes)
   compressed = cfg.train.grad_compression != "none" and sizes["data"] > 1
@@ -210,7 +210,7 @@ def compression_bytes(model: ex.Model, sizes, stage, stages, method: str) -> flo
       shape = leaf.shape if count is None else (count, *leaf.shape[1:])
       leaves.append((shape, leaf.names, ex.leaf_bytes(leaf, sizes, count) // leaf.itemsize))
   return compression.step_bytes(leaves, sizes["data"], method, model.cfg.train.powersgd_rank,
-                                em.ITEMSIZE[model.cfg.train.param_dtype])
+                                ex.ITEMSIZE[model.cfg.train.param_dtype])
 
 
 def compression_table(model: ex.Model, sizes, stage, stages) -> dict:

@@ -30,6 +30,7 @@ from jaxseek.config import MESH_AXES, Config
 from jaxseek.sharding import rules as rules_lib
 from jaxseek.sharding.rules import PARAM_RULES, Rules, spec, state_rules
 
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 STACKS = ("embed", "dense_layers", "moe_layers", "final_norm", "head_DV", "mtp_layers")
 LAYER_STACKS = ("dense_layers", "moe_layers")
 # One letter per logical axis (the shape-suffix key in jaxseek/model); "head_dim" and unnamed dimensions take
@@ -202,10 +203,8 @@ def outer_parts(cfg: Config, stack: str | None, pipeline: int) -> tuple[str, ...
 def gathered_itemsize(cfg: Config, leaf: Leaf) -> int:
   """Bytes per element of an outer weight as a table schedule gathers it (objective.as_computed): the compute
   dtype for matrices but the router's, the leaf's own dtype for vectors (norm scales) and the router."""
-  from jaxseek.explore import memory as em
-
   matrix = len([n for n in leaf.names if n != "layers"]) >= 2
-  return em.ITEMSIZE[cfg.train.compute_dtype] if matrix and "router" not in leaf.path else leaf.itemsize
+  return ITEMSIZE[cfg.train.compute_dtype] if matrix and "router" not in leaf.path else leaf.itemsize
 
 
 def over_stages(leaf: Leaf) -> bool:

@@ -37,7 +37,6 @@ from jaxseek.sharding import experts
 from jaxseek.explore import layout as ex
 from jaxseek.sharding.rules import ACTIVATION_RULES, activation_rules, spec
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "moe_dispatch", "gathered_weights", "other")
 
 
@@ -65,7 +64,7 @@ class Tensor:
 
 def activation_itemsize(cfg: Config, platform: str) -> int:
   """Bytes per activation element: the compute dtype's, but XLA:CPU computes bfloat16 arithmetic in float32."""
-  return 4 if platform == "cpu" else ITEMSIZE[cfg.train.compute_dtype]
+  return 4 if platform == "cpu" else ex.ITEMSIZE[cfg.train.compute_dtype]
 
 
 def batch_shards(sizes: dict[str, int]) -> int:
@@ -194,7 +193,7 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
   sent and received, with its masks; ragged: the x·K copies sorted by expert, the R rows received, the expert
   outputs and the results returned; with a float8 dispatch dtype also the packed rows sent and received), the
   grouped matmul's hidden rows and the expert weights gathered for it."""
-  m, a, c = cfg.model, activation_itemsize(cfg, platform), ITEMSIZE[cfg.train.compute_dtype]
+  m, a, c = cfg.model, activation_itemsize(cfg, platform), ex.ITEMSIZE[cfg.train.compute_dtype]
   d = dispatch(cfg, sizes, batch, platform)
   e, mm, D = d.local_experts, -(-m.moe_intermediate_size // sizes["tensor"]), m.hidden_size
   R, J, none = d.received, d.sent, (None, None)
@@ -331,7 +330,7 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   out.update(_activations(cfg, [r for r in runs if r[0]], head, platform))
   out["activations"] += kept
   if cfg.train.grad_compression != "none" and sizes["data"] > 1:  # the error-feedback residual, float32
-    out["gradients"] += state["params"] * 4 // ITEMSIZE[cfg.train.param_dtype]
+    out["gradients"] += state["params"] * 4 // ex.ITEMSIZE[cfg.train.param_dtype]
   out["gathered_weights"] = gathered_weights(model, sizes)
   if S > 1:  # the weights outside the pipelined stack, whole during the step, and their whole gradients
     gathered, whole_gradients = outer_whole(model, sizes)
@@ -445,7 +444,7 @@ def gathered_weights(model: ex.Model, sizes: dict[str, int]) -> int:
     return 0
   if key in model.memo:
     return model.memo[key]
-  c = ITEMSIZE[model.cfg.train.compute_dtype]
+  c = ex.ITEMSIZE[model.cfg.train.compute_dtype]
   whole = {**sizes, "fsdp": 1}
   biggest = 0
   for stack in ex.LAYER_STACKS:
