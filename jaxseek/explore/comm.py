@@ -108,18 +108,32 @@ def _weights(model: ex.Model, sizes, stage, stages, micro, passes):
 
 
 def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
+  """The weight collectives of one step on `stage`: fsdp gathers and scatters, the gradient sums over the batch
+  axes (per microbatch, or once per step), ZeRO-1's gather and the outer weights' traffic over `pipeline`."""
+  cfg = model.cfg
+  compressed = cfg.train.grad_compression != "none" and sizes["data"] > 1
+  once = set(summed_axes(cfg, sizes)) | ({"data"} if compressed else set())
+  roles, step, pipe = _weight_tally(model, sizes, stage, stages, micro, passes, once)
+  out = _batch_items(roles, step, once)
+  if compressed:  # the data-axis gradient sum goes compressed (sharding/compression.py), once per step
+    out = _compressed_items(model, sizes, stage, stages, out)
+  out += _zero1_items(model, sizes, stage, stages)
+  return out + _pipeline_items(cfg, sizes["pipeline"], passes, pipe)
+
+
+def _axis_sums() -> dict[str, float]:
+  """Zeroed bytes and counts of the gradient sums over each batch axis."""
+  return {**{a: 0.0 for a in BATCH_AXES}, **{f"{a}_n": 0 for a in BATCH_AXES}}
+
+
+def _weight_tally(model: ex.Model, sizes, stage, stages, micro, passes, once):
+  """Bytes and counts summed over the parameters `stage` holds: per role (every stage, or the first / last stage
+  of a table schedule) the fsdp traffic and per-microbatch sums; the once-per-step sums; the traffic over
+  `pipeline` of the outer weights."""
   cfg, S = model.cfg, sizes["pipeline"]
   c = ex.ITEMSIZE[cfg.train.compute_dtype]
-  table = ex.table_schedule(cfg, S)
-  summed = summed_axes(cfg, sizes)
-  compressed = cfg.train.grad_compression != "none" and sizes["data"] > 1
-  once = set(summed) | ({"data"} if compressed else set())
-  whole = {**sizes, "pipeline": 1}
-  # per role (every stage, or the first / last stage of a table schedule): fsdp traffic, per-microbatch sums
-  roles = {r: {"gather": 0.0, "scatter": 0.0, "gather_n": 0, **{a: 0.0 for a in BATCH_AXES},
-               **{f"{a}_n": 0 for a in BATCH_AXES}} for r in ("all", "first", "last")}
-  step = dict.fromkeys(BATCH_AXES, 0.0)  # once-per-step sums
-  step_n = dict.fromkeys(BATCH_AXES, 0)
+  roles = {r: {"gather": 0.0, "scatter": 0.0, "gather_n": 0, **_axis_sums()} for r in ("all", "first", "last")}
+  step = _axis_sums()  # once-per-step sums
   pipe = {"gather": 0.0, "gather_n": 0, "scatter": 0.0, "reduce": 0.0, "reduce_n": 0}
   for leaf in ex.leaves_on(model, sizes):
     count = ex.on_stage(leaf, stage, stages)
@@ -128,22 +142,8 @@ def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
     shard = ex.leaf_bytes(leaf, sizes, count)
     role, runs, used = "all", micro, shard  # a microbatch-loop collective: how often, on what, on which stage
     if ex.outer(cfg, leaf, S):
-      f, full = (S - 1) / S, ex.leaf_bytes(leaf, whole, count)
-      split = ex.over_stages(leaf)
-      if table:  # inside the schedule per microbatch on the stage that runs it, whole on pipeline
-        role, used = ex.outer_role(cfg, leaf.stack, S), full
-        grad = full // leaf.itemsize * 4  # accumulated in float32 through the schedule
-        pipe["gather"] += f * full // leaf.itemsize * ex.gathered_itemsize(cfg, leaf) if split else 0
-        pipe["scatter"] += f * grad if split else 0
-        pipe["reduce"] += 0 if split else 2 * f * grad
-      else:  # GPipe: outside the schedule, once on the whole batch, data-parallel over the stages
-        runs = 1
-        pipe["gather"] += passes * f * full if split else 0
-        if pipeline_splits_batch(cfg, sizes):
-          pipe["scatter"] += f * full if split else 0
-          pipe["reduce"] += 0 if split else 2 * f * full
-      pipe["gather_n"] += split
-      pipe["reduce_n"] += not split
+      scheduled = _outer_traffic(cfg, sizes, leaf, count, passes, pipe)
+      role, runs, used = (scheduled[0], micro, scheduled[1]) if scheduled else ("all", 1, shard)
     r = roles[role]
     on = {a for axes in leaf.axes for a in axes}
     for axis in BATCH_AXES:
@@ -154,10 +154,38 @@ def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
         r["gather_n"] += runs
       elif axis not in on and axis in once:
         step[axis] += 2 * (n - 1) / n * shard
-        step_n[axis] += 1
+        step[f"{axis}_n"] += 1
       elif axis not in on:
         r[axis] += runs * 2 * (n - 1) / n * used
         r[f"{axis}_n"] += runs
+  return roles, step, pipe
+
+
+def _outer_traffic(cfg, sizes, leaf: ex.Leaf, count: int, passes: int, pipe: dict) -> tuple[str, int] | None:
+  """Adds an outer weight's traffic over `pipeline` to `pipe`. Under a table schedule returns the role of the
+  stage that runs it per microbatch and its whole bytes; None under GPipe, which runs it once outside."""
+  S = sizes["pipeline"]
+  f, full = (S - 1) / S, ex.leaf_bytes(leaf, {**sizes, "pipeline": 1}, count)
+  split = ex.over_stages(leaf)
+  pipe["gather_n"] += split
+  pipe["reduce_n"] += not split
+  if ex.table_schedule(cfg, S):  # inside the schedule per microbatch on the stage that runs it, whole on pipeline
+    grad = full // leaf.itemsize * 4  # accumulated in float32 through the schedule
+    pipe["gather"] += f * full // leaf.itemsize * ex.gathered_itemsize(cfg, leaf) if split else 0
+    pipe["scatter"] += f * grad if split else 0
+    pipe["reduce"] += 0 if split else 2 * f * grad
+    return ex.outer_role(cfg, leaf.stack, S), full
+  # GPipe: outside the schedule, once on the whole batch, data-parallel over the stages
+  pipe["gather"] += passes * f * full if split else 0
+  if pipeline_splits_batch(cfg, sizes):
+    pipe["scatter"] += f * full if split else 0
+    pipe["reduce"] += 0 if split else 2 * f * full
+  return None
+
+
+def _batch_items(roles: dict, step: dict, once: set) -> list[tuple]:
+  """The fsdp gathers and scatters and the gradient sum over each batch axis, on the busier end of a table
+  schedule (first or last stage)."""
   side = max(("first", "last"), key=lambda k: roles[k]["gather"] + roles[k]["scatter"] +
              sum(roles[k][a] for a in BATCH_AXES))
   pick = lambda k: roles["all"][k] + roles[side][k]
@@ -166,38 +194,52 @@ def _weight_items(model: ex.Model, sizes, stage, stages, micro, passes):
   for axis in BATCH_AXES:
     if axis in once:
       what = "gradients of weights replicated on the axis, once per step (summed after the microbatches)"
-      out.append((axis, "all-reduce", what, step_n[axis], step[axis]))
+      out.append((axis, "all-reduce", what, step[f"{axis}_n"], step[axis]))
     else:
       what = "gradients of weights replicated on the axis, per microbatch"
       out.append((axis, "all-reduce", what, pick(f"{axis}_n"), pick(axis)))
-  if compressed:  # the data-axis gradient sum goes compressed (sharding/compression.py), once per step
-    method = cfg.train.grad_compression
-    kind = "all-reduce" if method == "powersgd" else "all-to-all+all-gather"
-    what = (f"PowerSGD rank-{cfg.train.powersgd_rank} factors P and Q (float32; embedding, head int8, vectors "
-            "whole), once per step"
-            if method == "powersgd" else f"gradients as {method}, reduce-scattered (all-to-all) then all-gathered, "
-            "once per step")
-    nbytes = compression_bytes(model, sizes, stage, stages, method)
-    out = [(axis, kind, what, count, nbytes) if axis == "data" and k == "all-reduce" else (axis, k, w, count, b)
-           for axis, k, w, count, b in out]
+  return out
+
+
+def _compressed_items(model: ex.Model, sizes, stage, stages, out: list[tuple]) -> list[tuple]:
+  """`out` with the data-axis gradient sum as train.grad_compression sends it."""
+  cfg = model.cfg
+  method = cfg.train.grad_compression
+  kind = "all-reduce" if method == "powersgd" else "all-to-all+all-gather"
+  what = (f"PowerSGD rank-{cfg.train.powersgd_rank} factors P and Q (float32; embedding, head int8, vectors "
+          "whole), once per step"
+          if method == "powersgd" else f"gradients as {method}, reduce-scattered (all-to-all) then all-gathered, "
+          "once per step")
+  nbytes = compression_bytes(model, sizes, stage, stages, method)
+  return [(axis, kind, what, count, nbytes) if axis == "data" and k == "all-reduce" else (axis, k, w, count, b)
+          for axis, k, w, count, b in out]
+
+
+def _zero1_items(model: ex.Model, sizes, stage, stages) -> list[tuple]:
+  """ZeRO-1: the optimiser updates its fsdp shard; the new weights are gathered."""
   n = sizes["fsdp"]
-  if cfg.train.zero == 1 and n > 1:  # the optimiser updates its fsdp shard; the new weights are gathered
-    held = [(leaf, ex.on_stage(leaf, stage, stages)) for leaf in ex.leaves_on(model, sizes) if leaf.kind == "params"]
-    nbytes = sum((n - 1) / n * ex.leaf_bytes(leaf, sizes, count) for leaf, count in held if count != 0)
-    out.append(("fsdp", "all-gather", "updated parameters (ZeRO-1), once per step", len(held), nbytes))
-  if table:
-    out += [("pipeline", "all-gather", "weights outside the pipelined stack (stored 1/S), gathered whole when the "
+  if model.cfg.train.zero != 1 or n == 1:
+    return []
+  held = [(leaf, ex.on_stage(leaf, stage, stages)) for leaf in ex.leaves_on(model, sizes) if leaf.kind == "params"]
+  nbytes = sum((n - 1) / n * ex.leaf_bytes(leaf, sizes, count) for leaf, count in held if count != 0)
+  return [("fsdp", "all-gather", "updated parameters (ZeRO-1), once per step", len(held), nbytes)]
+
+
+def _pipeline_items(cfg, S: int, passes: int, pipe: dict) -> list[tuple]:
+  """The outer weights' gathers and gradient sums over `pipeline`."""
+  if ex.table_schedule(cfg, S):
+    return [("pipeline", "all-gather", "weights outside the pipelined stack (stored 1/S), gathered whole when the "
              "schedule starts, once per step", pipe["gather_n"], pipe["gather"]),
             ("pipeline", "reduce-scatter", "their float32 gradients, once per step", pipe["gather_n"], pipe["scatter"]),
             ("pipeline", "all-reduce", "float32 gradients of the other outer weights (held whole), once per step",
              pipe["reduce_n"], pipe["reduce"])]
-  elif S > 1:
-    out += [("pipeline", "all-gather", "weights outside the pipelined stack (stored 1/S), gathered per pass",
+  if S > 1:
+    return [("pipeline", "all-gather", "weights outside the pipelined stack (stored 1/S), gathered per pass",
              passes * pipe["gather_n"], pipe["gather"]),
             ("pipeline", "reduce-scatter", "their gradients, once per step", pipe["gather_n"], pipe["scatter"]),
             ("pipeline", "all-reduce", "gradients of the weights every stage holds whole (they run data-parallel "
              "outside the schedule), once per step", pipe["reduce_n"], pipe["reduce"])]
-  return out
+  return []
 
 
 def compression_bytes(model: ex.Model, sizes, stage, stages, method: str) -> float:
