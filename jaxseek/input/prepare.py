@@ -237,24 +237,13 @@ def _publish(staging: Path, out: Path, manifest: dict) -> None:
   shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int = 1, workers: int = 1,
+def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, *, shards: int = 1, workers: int = 1,
             text_field: str = "text", eos: str | None = None, overwrite: bool = False,
             progress: bool = True, format: str = "text", chat_template: str | None = None) -> dict:
   """Tokenises `inputs` into `shards` shards under `out`; returns the manifest (also written as manifest.json).
   `format` "chat": JSONL conversations with a loss mask on the assistant tokens, rendered with `chat_template`
   (a jinja file, "default", or None for the tokenizer's own)."""
-  if shards < 1:
-    raise UserError(f"--shards {shards} must be ≥ 1")
-  if format not in ("text", "chat"):
-    raise UserError(f"--format {format} must be text or chat")
-  if chat_template is not None and format != "chat":
-    raise UserError("--chat-template applies to --format chat only")
-  files = expand(inputs)
-  readable = lambda p: _is_jsonl(p) or tables.is_table(p)
-  if format == "chat" and not all(map(readable, files)):
-    raise UserError(f"--format chat reads .jsonl, .parquet or .arrow files of conversations, not "
-                    f"{next(p for p in files if not readable(p))}; convert it to JSONL with a 'messages' list (or "
-                    f"'prompt' and 'response') per line")
+  files = _checked_inputs(inputs, shards, format, chat_template)
   tok = tokenize.resolve(tokenizer, eos)
   renderer = ChatRenderer(tok, chat_template) if format == "chat" else None
   out = Path(out)
@@ -264,23 +253,12 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int 
   shutil.rmtree(staging, ignore_errors=True)
   staging.mkdir(parents=True)
   try:
-    writers = [shards_lib.ShardWriter(staging, s, mask=renderer is not None) for s in range(shards)]
     total_bytes = sum(p.stat().st_size for p in files)
-    documents, trained, start = 0, 0, time.perf_counter()
+    start = time.perf_counter()
+    encoded = _in_vocab(encoded_chunks(tok, read_chunks(files, text_field, renderer), workers), tokenizer,
+                        tok.vocab_size)
     with _Progress(total_bytes, progress) as bar:
-      for tokens, lengths, mask, size in encoded_chunks(tok, read_chunks(files, text_field, renderer), workers):
-        if tokens.size and int(tokens.max()) >= tok.vocab_size:
-          raise UserError(f"--tokenizer {tokenizer} produced id {int(tokens.max())} ≥ its vocab size "
-                          f"{tok.vocab_size}")
-        shard_of_doc = (documents + np.arange(len(lengths))) % shards
-        shard_of_token = np.repeat(shard_of_doc, lengths)
-        for s, writer in enumerate(writers):
-          on = shard_of_token == s
-          writer.add(tokens[on], lengths[shard_of_doc == s], None if mask is None else mask[on])
-        documents += len(lengths)
-        trained += 0 if mask is None else int(mask.sum())
-        bar.advance(size)
-    entries = [w.close() for w in writers]
+      entries, documents, trained = _write_shards(staging, encoded, shards, renderer is not None, bar)
     if documents == 0:
       raise UserError(f"--input {' '.join(inputs)} holds no document (the files are empty"
                       f"{' or their records have no text' if any(map(_is_jsonl, files)) else ''}); nothing written")
@@ -298,13 +276,61 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | Path, shards: int 
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   if progress:
-    if renderer is not None:
-      print(f"chat template: {renderer.origin}; {trained:,} of {manifest['tokens']:,} tokens are trained on "
-            f"(assistant turns)", file=sys.stderr)
-    print(f"prepared {documents:,} documents, {manifest['tokens']:,} tokens from {total_bytes / 1e6:,.1f} MB in "
-          f"{seconds:.1f} s ({total_bytes / 1e6 / seconds:,.1f} MB/s, {manifest['tokens'] / seconds:,.0f} tokens/s) "
-          f"→ {out}", file=sys.stderr)
+    _summary(manifest, renderer, total_bytes, seconds, out)
   return manifest
+
+
+def _checked_inputs(inputs: Sequence[str], shards: int, format: str, chat_template: str | None) -> list[Path]:
+  """The files `inputs` name, once the options are checked against each other and the files against `format`."""
+  if shards < 1:
+    raise UserError(f"--shards {shards} must be ≥ 1")
+  if format not in ("text", "chat"):
+    raise UserError(f"--format {format} must be text or chat")
+  if chat_template is not None and format != "chat":
+    raise UserError("--chat-template applies to --format chat only")
+  files = expand(inputs)
+  readable = lambda p: _is_jsonl(p) or tables.is_table(p)
+  if format == "chat" and not all(map(readable, files)):
+    raise UserError(f"--format chat reads .jsonl, .parquet or .arrow files of conversations, not "
+                    f"{next(p for p in files if not readable(p))}; convert it to JSONL with a 'messages' list (or "
+                    f"'prompt' and 'response') per line")
+  return files
+
+
+def _in_vocab(encoded: Iterator[tuple], tokenizer: str, vocab_size: int) -> Iterator[tuple]:
+  """The chunks of `encoded`, refusing one with an id outside the vocabulary."""
+  for tokens, lengths, mask, size in encoded:
+    if tokens.size and int(tokens.max()) >= vocab_size:
+      raise UserError(f"--tokenizer {tokenizer} produced id {int(tokens.max())} ≥ its vocab size {vocab_size}")
+    yield tokens, lengths, mask, size
+
+
+def _write_shards(staging: Path, encoded: Iterator[tuple], shards: int, mask: bool,
+                  bar: _Progress) -> tuple[list[dict], int, int]:
+  """Writes the encoded chunks into `shards` shards under `staging`, document i to shard i mod `shards`;
+  returns the shards' manifest entries, the documents and the tokens trained on (the loss mask's ones)."""
+  writers = [shards_lib.ShardWriter(staging, s, mask=mask) for s in range(shards)]
+  documents, trained = 0, 0
+  for tokens, lengths, mask_chunk, size in encoded:
+    shard_of_doc = (documents + np.arange(len(lengths))) % shards
+    shard_of_token = np.repeat(shard_of_doc, lengths)
+    for s, writer in enumerate(writers):
+      on = shard_of_token == s
+      writer.add(tokens[on], lengths[shard_of_doc == s], None if mask_chunk is None else mask_chunk[on])
+    documents += len(lengths)
+    trained += 0 if mask_chunk is None else int(mask_chunk.sum())
+    bar.advance(size)
+  return [w.close() for w in writers], documents, trained
+
+
+def _summary(manifest: dict, renderer: ChatRenderer | None, total_bytes: int, seconds: float, out: Path) -> None:
+  """What was prepared and how fast, on stderr."""
+  if renderer is not None:
+    print(f"chat template: {renderer.origin}; {manifest['chat']['trained_tokens']:,} of {manifest['tokens']:,} "
+          f"tokens are trained on (assistant turns)", file=sys.stderr)
+  print(f"prepared {manifest['documents']:,} documents, {manifest['tokens']:,} tokens from {total_bytes / 1e6:,.1f} "
+        f"MB in {seconds:.1f} s ({total_bytes / 1e6 / seconds:,.1f} MB/s, {manifest['tokens'] / seconds:,.0f} "
+        f"tokens/s) → {out}", file=sys.stderr)
 
 
 class _Progress:
@@ -370,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.workers is not None and args.workers < 1:
     raise UserError(f"--workers {args.workers} must be ≥ 1 (leave it out for the default)")
   workers = args.workers or (1 if args.tokenizer == "byte" else os.cpu_count() or 1)
-  prepare(args.input, args.tokenizer, args.out, args.shards, workers, args.text_field, args.eos,
-          args.overwrite, progress=not args.quiet, format=args.format, chat_template=args.chat_template)
+  prepare(args.input, args.tokenizer, args.out, shards=args.shards, workers=workers, text_field=args.text_field,
+          eos=args.eos, overwrite=args.overwrite, progress=not args.quiet, format=args.format,
+          chat_template=args.chat_template)
   return 0
