@@ -24,9 +24,7 @@ loads summed over the whole global batch (train.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

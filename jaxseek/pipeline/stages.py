@@ -40,7 +40,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxseek.config import Config
 from jaxseek.errors import UserError
-from jaxseek.model.transformer import STACKS
 from jaxseek.pipeline import tables, wsplit
 from jaxseek.sharding import rules
 from jaxseek.sharding.rules import PIPELINE_AXIS as AXIS
@@ -154,7 +153,7 @@ def saved_layout(saved_config: dict) -> Layout:
 
 
 def reorder_index(path: tuple, num_layers: dict[str, int], source: Layout, target: Layout) -> np.ndarray | None:
-  """For a leaf at `path` under a stack (params, biases, optimiser moments: any key in STACKS): the gather along
+  """For a leaf at `path` under a stack (params, biases, optimiser moments: any stack of model/transformer.py STACKS): the gather along
   its leading "layers" axis from the storage order of `source` to that of `target`, -1 where the target holds
   padding (zeros); None when nothing moves. The source may be cut or zero-extended to the target's length first:
   its real layers are its first rows."""
