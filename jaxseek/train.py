@@ -115,8 +115,8 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")
   try:
     with jax.set_mesh(mesh):
-      state, stopped = _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler,
-                             evaluator)
+      state, stopped = _loop(cfg, step_fn, state, start, batches=batches, ckpt=ckpt, evaluator=evaluator,
+                             reporter=reporter, preemption=preemption, watchdog=watchdog, profiler=profiler)
   finally:
     profiler.close()
     with watchdog.phase(watchdog.FINAL * cfg.train.step_timeout_s if cfg.train.step_timeout_s else None):
@@ -128,7 +128,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   return _summary(cfg, reporter, start, stopped, run_dir)
 
 
-def _loop(cfg, step_fn, state, start, batches, ckpt, reporter, preemption, watchdog, profiler, evaluator):
+def _loop(cfg, step_fn, state, start, *, batches, ckpt, evaluator, reporter, preemption, watchdog, profiler):
   """Steps start+1 … train.steps; evaluates and saves on schedule and at the end, saves on pre-emption. Returns
   (state, stopped)."""
   pending = None
