@@ -347,11 +347,12 @@ def _compressed_sum(gradients: Callable, trainer: Trainer, cfg: config_lib.Confi
   specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.grad_residual)
   views = compression.matrix_views(trainer.abstract_state.params, cfg.train.powersgd_rank)
   start = cfg.train.powersgd_start_step
-  grads, residual, basis = compression.reduce(grads_S, state.grad_residual, cfg.train.grad_compression, specs,
-                                              state.grad_basis, views, state.step < start if start else None)
+  grads, kept = compression.reduce(grads_S, compression.State(state.grad_residual, state.grad_basis),
+                                   cfg.train.grad_compression, specs, views=views,
+                                   uncompressed=state.step < start if start else None)
   # sums over the shards; the balance term is a mean over rows, each shard's over 1/shards of them
   ce_sum, mtp_sums, loads = jax.tree.map(lambda a: a.sum(0), (ce_sum, mtp_sums, loads))
-  return grads, ce_sum, mtp_sums, balance.mean(0), loads, residual, basis
+  return grads, ce_sum, mtp_sums, balance.mean(0), loads, kept.residual, kept.basis
 
 
 def _next_loss_scale(state: TrainState, overflow: jax.Array, t: config_lib.TrainConfig):

@@ -43,8 +43,9 @@ def blocky(rng, shape):
 def run_reduce(mesh, method, grads, residual, basis=None, views=None):
   specs = jax.tree.map(lambda g: P("data", *([None] * (g.ndim - 1))), grads)
   with jax.set_mesh(mesh):
-    fn = jax.jit(lambda g, e, b: compression.reduce(g, e, method, specs, b, views or {}))
-    return jax.device_get(fn(grads, residual, basis))
+    fn = jax.jit(lambda g, s: compression.reduce(g, s, method, specs, views=views or {}))
+    summed, state = jax.device_get(fn(grads, compression.State(residual, basis or {})))
+    return summed, state.residual, state.basis
 
 
 def bound(v_S, method):

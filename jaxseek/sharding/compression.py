@@ -38,7 +38,7 @@ rows × columns where the matrix is nearest to square. With M = g + e on each sh
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,36 +53,33 @@ FULL_RANK_AXES = ("vocab",)  # powersgd: the embedding and the output head, whos
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 products (no TF32 on GPUs)
 
 
-def reduce(grads_S: Any, residual_S: Any, method: str, specs: Any, basis: Any = None,
-           views: dict | None = None, uncompressed: jax.Array | None = None) -> tuple[Any, Any, Any]:
-  """(Σ over shards of the compressed `grads_S` + `residual_S`, the new residual, the new PowerSGD basis); leaves
-  [shards, ...] float32 split over `data` along the first axis, placed as `specs` (PartitionSpecs of the
-  residual: data, then the parameter's own), which the sum keeps without the first axis. `basis`, `views`
-  (powersgd): the basis of each compressed matrix (`init_basis`) and `matrix_views`; `uncompressed` (powersgd,
-  a traced bool): sum the matrices in float32 this step instead, bases kept (train.powersgd_start_step)."""
+class State(NamedTuple):
+  """What a compression method carries from one step to the next (TrainState.grad_residual, .grad_basis): the
+  error-feedback residual of every parameter ([shards, ...] float32) and, for powersgd, the basis of each
+  compressed matrix (`init_basis`; {} for bf16 and int8, which have none)."""
+
+  residual: Any
+  basis: dict
+
+
+def reduce(grads_S: Any, state: State, method: str, specs: Any, *, views: dict | None = None,
+           uncompressed: jax.Array | None = None) -> tuple[Any, State]:
+  """(Σ over shards of the compressed `grads_S` + `state.residual`, the new State); leaves [shards, ...] float32
+  split over `data` along the first axis, placed as `specs` (PartitionSpecs of the residual: data, then the
+  parameter's own), which the sum keeps without the first axis. `views` (powersgd): `matrix_views`;
+  `uncompressed` (powersgd, a traced bool): sum the matrices in float32 this step instead, bases kept
+  (train.powersgd_start_step)."""
   pairs, treedef = jax.tree_util.tree_flatten_with_path(grads_S)
   keys, leaves = [_key(p) for p, _ in pairs], [g for _, g in pairs]
   specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))  # in the order of the leaves
-  residuals = treedef.flatten_up_to(residual_S)
+  v = [g + e for g, e in zip(leaves, treedef.flatten_up_to(state.residual))]
   if method == "powersgd":
-    flat_basis = _flat(basis)
-    v = [g + e for g, e in zip(leaves, residuals)]
-
-    def low_rank(vs):  # the matrices low-rank, the rest as int8 in two phases (or float32 when small)
-      return [_powersgd(x, flat_basis[k], views[k], spec) if (k := keys[i]) in views else
-              (*_two_phase(x, spec, "int8"), None) for i, (x, spec) in enumerate(zip(vs, specs))]
-
-    def whole(vs):
-      return [(*_plain(x, spec)[:2], flat_basis.get(keys[i])) for i, (x, spec) in enumerate(zip(vs, specs))]
-
-    out = low_rank(v) if uncompressed is None else jax.lax.cond(uncompressed, whole, low_rank, v)
-    new_basis = _nest({k: o[2] for k, o in zip(keys, out) if k in views})
+    out, basis = _powersgd_all(v, keys, specs, _flat(state.basis), views, uncompressed)
   elif method in ("bf16", "int8"):
-    out = [(*_two_phase(g + e, spec, method), None) for g, e, spec in zip(leaves, residuals, specs)]
-    new_basis = basis
+    out, basis = [_two_phase(x, spec, method) for x, spec in zip(v, specs)], state.basis
   else:
     raise ValueError(f"unknown gradient compression {method!r}; known: {METHODS}")
-  return treedef.unflatten([o[0] for o in out]), treedef.unflatten([o[1] for o in out]), new_basis
+  return treedef.unflatten([o[0] for o in out]), State(treedef.unflatten([o[1] for o in out]), basis)
 
 
 # --- bf16, int8: two-phase exchange --------------------------------------------------------------------------
@@ -123,7 +120,7 @@ def _two_phase(v_S: jax.Array, spec: P, method: str) -> tuple[jax.Array, jax.Arr
   shards = v_S.shape[0]
   local = math.prod(NamedSharding(jax.sharding.get_abstract_mesh(), spec).shard_shape(v_S.shape)[1:])
   if not two_phase_leaf(local, shards, method):
-    return _plain(v_S, spec)[:2]
+    return _plain(v_S, spec)
 
   def on_device(a):
     v = a[0]
@@ -147,11 +144,11 @@ def _two_phase(v_S: jax.Array, spec: P, method: str) -> tuple[jax.Array, jax.Arr
   return jax.shard_map(on_device, in_specs=spec, out_specs=(P(*spec[1:]), spec), check_vma=False)(v_S)
 
 
-def _plain(v_S: jax.Array, spec: P) -> tuple[jax.Array, jax.Array, None]:
+def _plain(v_S: jax.Array, spec: P) -> tuple[jax.Array, jax.Array]:
   """The float32 sum over shards (an all-reduce on `data`); nothing is dropped."""
   summed = jax.shard_map(lambda a: jax.lax.psum(a[0], AXIS), in_specs=spec, out_specs=P(*spec[1:]),
                          check_vma=False)(v_S)
-  return summed, jnp.zeros_like(v_S), None
+  return summed, jnp.zeros_like(v_S)
 
 
 # --- PowerSGD ------------------------------------------------------------------------------------------------
@@ -240,6 +237,28 @@ def powersgd_matrix(M_S: jax.Array, Q: jax.Array) -> tuple[jax.Array, jax.Array,
   summed = jnp.einsum("...mr,...nr->...mn", P_, Q_new, precision=HIGHEST)
   dropped = M_S - jnp.einsum("...mr,s...nr->s...mn", P_, Q_S, precision=HIGHEST)
   return summed, dropped, Q_new
+
+
+def _powersgd_all(v: list, keys: list[str], specs: list, basis: dict, views: dict,
+                  uncompressed: jax.Array | None) -> tuple[list, dict]:
+  """[(sum, dropped)] of every leaf and the new bases (nested): the matrices of `views` low-rank, the rest as
+  int8 in two phases (or float32 when small); or, while `uncompressed`, every leaf in float32, bases kept."""
+
+  def low_rank(vs):
+    out, new = [], {}
+    for k, x, spec in zip(keys, vs, specs):
+      if k in views:
+        summed, dropped, new[k] = _powersgd(x, basis[k], views[k], spec)
+        out.append((summed, dropped))
+      else:
+        out.append(_two_phase(x, spec, "int8"))
+    return out, new
+
+  def whole(vs):
+    return [_plain(x, spec) for x, spec in zip(vs, specs)], {k: basis[k] for k in keys if k in views}
+
+  out, new = low_rank(v) if uncompressed is None else jax.lax.cond(uncompressed, whole, low_rank, v)
+  return out, _nest(new)
 
 
 def _powersgd(v_S: jax.Array, Q: jax.Array, view: tuple[int, int, int], spec: P):
