@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseek.config import ModelConfig
-from jaxseek.model.attention import MLA, NEG, attend, expand_latent
+from jaxseek.kernels.flash import NEG
+from jaxseek.model.attention import MLA, attend, expand_latent
 from jaxseek.model.transformer import STACKS, Block, Stack, Transformer
 
 
