@@ -57,6 +57,7 @@ def _register_array_handler() -> None:
   """jax.Array's Orbax handler with MIN_REPLICA_SLICE_BYTES. Replacing the default on purpose, so Orbax's
   warning that a handler is being overridden (one absl WARNING line in every run) is not logged."""
   from absl import logging as absl_logging
+  # orbax has no public name for the Store its default handler uses (pyproject bounds orbax to the tested minor)
   from orbax.checkpoint._src.metadata import array_metadata_store
   handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
                                            array_metadata_store=array_metadata_store.Store())
