@@ -71,12 +71,12 @@ class ModelConfig:
   # copies with ragged_all_to_all into one receive buffer per device, grouped by local expert (GPU, TPU: XLA:CPU
   # has no ragged-all-to-all); "auto" is ragged on GPU and TPU, fixed elsewhere.
   moe_dispatch: Literal["auto", "fixed", "ragged"] = "auto"
-  # The ragged receive buffer, R = ⌈moe_recv_factor · K·x⌉ rows for x local tokens (K·x = a shard's balanced
-  # load); copies past R are dropped and counted (moe_dropped_fraction). Dropless by construction from
-  # f = min(P, E/K) on (P expert shards; the worst case is every source sending min(K, e) copies of each token to
-  # one shard). Default 2.0: dropless on up to 2 expert shards (any E, K); on more, a shard may receive twice its
-  # balanced share before anything drops, in 2 / min(P, E/K) of the worst-case buffer (bench-v3-1b on expert=8:
-  # 8192 rows instead of 32,768).
+  # The ragged receive buffer of one round, R = ⌈moe_recv_factor · K·x⌉ rows for x local tokens (K·x = a shard's
+  # balanced load); copies past R go in further rounds of the exchange (never dropped; moe_extra_round_fraction
+  # counts them). One round always from f = min(P, E/K) on (P expert shards; the worst case is every source
+  # sending min(K, e) copies of each token to one shard). Default 2.0: one round while no shard receives over
+  # twice its balanced share, in 2 / min(P, E/K) of the worst-case buffer (bench-v3-1b on expert=8: 8192 rows
+  # instead of 32,768).
   moe_recv_factor: float = 2.0
   # The dispatched rows' dtype: null = the compute dtype; float8_e4m3fn sends each row as e4m3 with a float32
   # scale per 128 channels (dequantised on arrival); the results come back in the compute dtype.

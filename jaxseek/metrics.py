@@ -199,6 +199,8 @@ class Console:
       parts += [f"{record['tokens_per_sec']:,.0f} tok/s", f"mfu {100 * record['mfu']:.1f}%"]
     if record.get("moe_load_max_over_mean") is not None:
       parts.append(f"load max/mean {record['moe_load_max_over_mean']:.2f}")
+    if record.get("moe_extra_round_fraction"):  # skew: copies past one receive buffer went in further rounds
+      parts.append(f"extra rounds {100 * record['moe_extra_round_fraction']:.1f}% of copies")
     if record.get("skipped"):
       why = "non-finite" if record.get("nonfinite") else "float16 overflow" if record.get("overflow") else "loss spike"
       parts.append(f"SKIPPED ({why})")
@@ -382,7 +384,8 @@ PROMETHEUS_GAUGES = {
     "ckpt_block_s": "jaxseek_checkpoint_block_seconds", "host_memory_bytes": "jaxseek_host_memory_bytes",
     "moe_load_max_over_mean": "jaxseek_moe_load_max_over_mean",
     "moe_load_max_over_mean_worst": "jaxseek_moe_load_max_over_mean_worst",
-    "moe_dropped_fraction": "jaxseek_moe_dropped_fraction", "mtp_loss": "jaxseek_mtp_loss",
+    "moe_dropped_fraction": "jaxseek_moe_dropped_fraction",
+    "moe_extra_round_fraction": "jaxseek_moe_extra_round_fraction", "mtp_loss": "jaxseek_mtp_loss",
     "loss_scale": "jaxseek_loss_scale", "eval_loss": "jaxseek_eval_loss",
     "eval_perplexity": "jaxseek_eval_perplexity", "eval_mtp_loss": "jaxseek_eval_mtp_loss",
 }

@@ -61,7 +61,7 @@ def loss_terms(cfg: config_lib.Config, model: nnx.Module, h_BTD: jax.Array | Non
   depth = cfg.model.num_nextn_predict_layers
   alpha, mtp_weight = cfg.model.aux_loss_alpha, cfg.train.mtp_loss_weight
   balance = sum(aux[name].mean(-1).sum() for name in ("balance", "mtp_balance") if name in aux)
-  loads = {name: aux[name] for name in ("load", "mtp_load", "dropped") if name in aux}
+  loads = {name: aux[name] for name in ("load", "mtp_load", "dropped", "extra") if name in aux}
   value = alpha * balance / norms.balance_divisor  # balance: a mean over rows
   ce_sum, mtp_sums = jnp.zeros((), jnp.float32), jnp.zeros((depth if h_BTD is not None else 0,), jnp.float32)
   if h_BTD is not None:

@@ -378,7 +378,8 @@ def is_spike(loss: jax.Array, window: jax.Array, sigma: float | None) -> jax.Arr
 
 def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.State,
                  logical: np.ndarray) -> dict[str, jax.Array]:
-  """Expert balance per step: load max/mean (mean, worst, per layer), dropped fraction, balance loss, bias range.
+  """Expert balance per step: load max/mean (mean, worst, per layer), dropped fraction, the share of copies sent
+  in extra exchange rounds, balance loss, bias range.
   Per-layer values come in the MoE stack's storage order; `logical` indexes them into layer order (dropping the
   identity padding of a pipelined stack)."""
   metrics = {}
@@ -389,6 +390,7 @@ def _moe_metrics(loads: dict[str, jax.Array], balance: jax.Array, biases: nnx.St
     metrics["moe_load_max_over_mean"] = max_over_mean_L.mean()
     metrics["moe_load_max_over_mean_worst"] = max_over_mean_L.max()
     metrics["moe_dropped_fraction"] = dropped_L.sum() / jnp.maximum(load_LE.sum(), 1.0)
+    metrics["moe_extra_round_fraction"] = loads["extra"][logical].sum() / jnp.maximum(load_LE.sum(), 1.0)
     # one value per MoE layer (lists in metrics.jsonl)
     metrics["moe_load_max_over_mean_by_layer"] = max_over_mean_L
     metrics["moe_dropped_fraction_by_layer"] = dropped_L / jnp.maximum(load_LE.sum(-1), 1.0)

@@ -15,7 +15,8 @@ REQUIRED = {
     "jaxseek_step", "jaxseek_loss", "jaxseek_learning_rate", "jaxseek_grad_norm", "jaxseek_tokens_per_second",
     "jaxseek_mfu", "jaxseek_tflops_per_device", "jaxseek_step_time_seconds", "jaxseek_data_wait_seconds",
     "jaxseek_checkpoint_block_seconds", "jaxseek_device_memory_bytes", "jaxseek_moe_load_max_over_mean",
-    "jaxseek_moe_load_max_over_mean_worst", "jaxseek_moe_dropped_fraction", "jaxseek_skipped_steps_total",
+    "jaxseek_moe_load_max_over_mean_worst", "jaxseek_moe_dropped_fraction", "jaxseek_moe_extra_round_fraction",
+    "jaxseek_skipped_steps_total",
 }
 OPTIONAL = {"jaxseek_host_memory_bytes", "jaxseek_mtp_loss", "jaxseek_eval_loss", "jaxseek_eval_perplexity",
             "jaxseek_eval_mtp_loss"}  # also exported; the dashboard may show them

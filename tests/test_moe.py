@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conftest import load_config
+from conftest import load_config, run_steps
 from jaxseek import step as step_lib
 from jaxseek.input import global_batches
 from jaxseek.errors import UserError
@@ -64,6 +64,25 @@ def test_expert_parallel_training_equals_single_device(name):
   assert np.abs(ref["biases"][-1]).max() > 0  # the correction bias did move
 
 
+def test_ragged_training_past_its_receive_buffer_equals_single_device(monkeypatch):
+  """Three training steps of tiny-v3 on expert=8 through the ragged exchange (emulated) with a receive buffer of
+  half the balanced load (model.moe_recv_factor=0.5), so every step needs further rounds: losses, gradient norms
+  and correction biases are the single-device run's; none dropped, the extra rounds reported."""
+  monkeypatch.setattr(experts.choice, "dispatch_kind", lambda setting, where=None: "ragged")
+  monkeypatch.setattr(experts, "experts_parallel_ragged", functools.partial(
+      experts.experts_parallel_ragged, exchange=emulated_ragged_all_to_all))
+  cfg = load_config("tiny-v3", MOE_ONLY, "mesh.data=-1", "mesh.expert=8", "model.moe_dispatch=ragged",
+                    "model.moe_recv_factor=0.5")
+  mesh = make_mesh(cfg)
+  trainer, state = step_lib.init_state(cfg, mesh)
+  state, records = run_steps(cfg, mesh, trainer, state, global_batches(cfg, mesh), 3)
+  ref = train_run("single")
+  np.testing.assert_allclose(np.asarray(jax.tree.leaves(state.biases)[0]), ref["biases"][2], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose([r["loss"] for r in records], ref["losses"][:3], rtol=1e-5)
+  np.testing.assert_allclose([r["grad_norm"] for r in records], ref["norms"][:3], rtol=1e-5)
+  assert all(r["moe_dropped_fraction"] == 0 and r["moe_extra_round_fraction"] > 0.2 for r in records), records
+
+
 @pytest.mark.parametrize("name", ["expert1", "expert2", "expert8"])
 def test_all_to_all_only_with_expert_parallelism(name):
   count = len(ALL_TO_ALL.findall(train_run(name)["hlo"]))
@@ -111,6 +130,42 @@ def call(layer: MoE, x_BTD: np.ndarray, expert: int | None):
   with jax.set_mesh(mesh):
     return apply(state, jax.device_put(x_BTD, NamedSharding(mesh, activation_spec(("batch", "length", None)))),
                  valid_BT)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_ragged_dispatch_with_every_token_on_one_expert_is_dropless_on_expert8(factor, monkeypatch):
+  """Every token routed to expert 0 on expert=8 (one expert per device): device 0 receives 48 copies into
+  R = ⌈factor · K·x⌉ rows (24, or 6), so the exchange takes 2 (or 8) rounds. Outputs, loads and the gradients of
+  the tokens and every weight equal the single-device layer's; nothing is dropped, and the copies past one
+  buffer are counted as extra."""
+  monkeypatch.setattr(experts.choice, "dispatch_kind", lambda setting, where=None: "ragged")
+  monkeypatch.setattr(experts, "experts_parallel_ragged", functools.partial(
+      experts.experts_parallel_ragged, exchange=emulated_ragged_all_to_all))
+  layer, x_BTD = moe_layer("model.moe_dispatch=ragged", f"model.moe_recv_factor={factor}")
+  idx, _ = routing_of(layer, x_BTD)
+  assert (idx == 0).any(-1).all()
+  cotangent = np.random.default_rng(7).normal(size=x_BTD.shape).astype(np.float32)
+  graphdef, state = nnx.split(layer)
+
+  def objective(params, x):
+    y, aux = nnx.merge(graphdef, params)(x, jnp.ones((B, T), jnp.float32))
+    return (y * cotangent).sum(), (y, aux)
+
+  grad = jax.jit(jax.grad(objective, argnums=(0, 1), has_aux=True))
+  (dparams_ref, dx_ref), (y_ref, aux_ref) = grad(state, x_BTD)
+  mesh = make_mesh(load_config("tiny-v3", "mesh.data=-1", "mesh.expert=8"))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(x_BTD, NamedSharding(mesh, activation_spec(("batch", "length", None))))
+    (dparams, dx), (y, aux) = grad(state, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dx), np.asarray(dx_ref), rtol=1e-5, atol=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(dparams), jax.tree.leaves(dparams_ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6, err_msg=str(path))
+  load = np.asarray(aux["load"])
+  np.testing.assert_array_equal(load, np.asarray(aux_ref["load"]))
+  assert float(aux["dropped"]) == 0.0
+  rows = int(np.ceil(factor * 2 * T))  # K·x = 2 · 6 local tokens on each of the 8 devices
+  assert load[0] == B * T and float(aux["extra"]) == np.maximum(load - rows, 0).sum() > 0
 
 
 def routing_of(layer: MoE, x_BTD: np.ndarray, shards: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -326,14 +381,14 @@ def on_expert_mesh(fn, x, idx, weights, w_gate, w_up, w_down, cotangent=None):
 def fixed_fn(fp8_dispatch=False):
   cap = capacity(X, K, SHARDS, E // SHARDS, None)
   return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, matmul="blocked",
-                                     fp8_dispatch=fp8_dispatch)
+                                     fp8_dispatch=fp8_dispatch)[:2]
 
 
 def ragged_fn(factor, fp8_dispatch=False):
   cap = capacity(X, K, SHARDS, E // SHARDS, None)
   rows = receive_rows(X, K, SHARDS, cap, factor)
   return lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, matmul="blocked", fp8_dispatch=fp8_dispatch,
-                                            exchange=emulated_ragged_all_to_all)
+                                            exchange=emulated_ragged_all_to_all)[:2]
 
 
 def numpy_ragged_layer(x, idx, weights, w_gate, w_up, w_down, rows):
@@ -427,16 +482,29 @@ def test_ragged_dispatch_equals_fixed_in_values_and_gradients():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_ragged_dispatch_with_a_small_receive_buffer_drops_what_it_reports():
+def test_ragged_dispatch_with_a_small_receive_buffer_sends_the_rest_in_further_rounds():
+  """R = 0.75 · K·x rows on a skewed router: the copies the first round's plan leaves out (exactly the NumPy
+  model's, past R in each receiver's expert-major order) go in further rounds, reported as extra; output and
+  gradients equal the fixed path's, nothing is dropped."""
   x, idx, weights, *w = skewed_routing()
-  rows = receive_rows(X, K, SHARDS, capacity(X, K, SHARDS, E // SHARDS, None), 0.75)
-  y, kept = on_expert_mesh(ragged_fn(0.75), x, idx, weights, *w)
-  dropped = expected_receiver_drops(idx, rows)
-  assert dropped.sum() > 0
-  np.testing.assert_array_equal(~kept.T, dropped)
-  y_ref = sum(np.where(dropped[:, k, None], 0, weights[:, k, None]) * numpy_swiglu(x, idx[:, k], *w)
-              for k in range(K))
+  cap = capacity(X, K, SHARDS, E // SHARDS, None)
+  rows = receive_rows(X, K, SHARDS, cap, 0.75)
+  ragged = lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, matmul="blocked",
+                                              exchange=emulated_ragged_all_to_all)
+  mesh = jax.make_mesh((SHARDS,), EXPERT_AXES, axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:SHARDS])
+  split = jax.P("expert")
+  y, kept, extra = jax.device_get(jax.jit(jax.shard_map(ragged, mesh=mesh, in_specs=(split,) * 6, out_specs=(
+      split, jax.P(None, "expert"), jax.P(None, "expert"))))(x, idx, weights, *w))
+  late = expected_receiver_drops(idx, rows)
+  assert late.sum() > 0 and kept.all()
+  np.testing.assert_array_equal(extra.T, late)
+  y_ref = sum(weights[:, k, None] * numpy_swiglu(x, idx[:, k], *w) for k in range(K))
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+  cotangent = np.random.default_rng(3).normal(size=y.shape).astype(np.float32)
+  for a, b in zip(on_expert_mesh(ragged_fn(0.75), x, idx, weights, *w, cotangent=cotangent),
+                  on_expert_mesh(fixed_fn(), x, idx, weights, *w, cotangent=cotangent)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def numpy_e4m3_tiles(x: np.ndarray) -> np.ndarray:
@@ -515,7 +583,7 @@ def test_dispatch_summary_gives_the_rows_one_layer_moves_per_device():
   line = experts.dispatch_summary(load_config("tiny-v3", "mesh.data=2", "mesh.expert=4",
                                               "model.moe_dispatch_dtype=float8_e4m3fn"), sizes, "gpu")
   assert "ragged_all_to_all over expert=4" in line and "receive buffer of 192 rows" in line, line
-  assert "dropless from 4" in line and "float8_e4m3fn rows with float32 scales" in line, line
+  assert "one round from 4, further rounds past it, none dropped" in line and "float8_e4m3fn rows with float32 scales" in line, line
 
 
 @pytest.mark.parametrize("path", ["fixed", "ragged"])
@@ -530,9 +598,9 @@ def test_padding_tokens_take_no_expert_capacity(path):
 
   def layer(valid):
     if path == "fixed":
-      return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, matmul="blocked", valid_X=valid)
+      return lambda *a: experts_parallel(*a, EXPERT_AXES, SHARDS, cap, matmul="blocked", valid_X=valid)[:2]
     return lambda *a: experts_parallel_ragged(*a, EXPERT_AXES, SHARDS, cap, rows, matmul="blocked",
-                                              exchange=emulated_ragged_all_to_all, valid_X=valid)
+                                              exchange=emulated_ragged_all_to_all, valid_X=valid)[:2]
 
   padding = np.tile(np.arange(X) < pad, SHARDS)
   hot = idx.copy()

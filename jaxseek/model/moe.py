@@ -130,7 +130,7 @@ def routed_experts(x_BTD, valid_BT, w: ExpertWeights, routing: Routing, settings
   expert loads and dropped copies are summed over the whole batch, per-sequence balance sums over the length
   axis, tensor-parallel partial outputs are all-reduced. Returns y [B, T, D], load [E] (tokens per expert over
   the global batch), balance loss per sequence [B], dropped (token copies over capacity, summed over the global
-  batch) []. `fp8_inputs`: the tokens the experts see are rounded to FP8 (1×128 tiles); the router sees them
+  batch) [], extra (token copies that went in extra rounds of the exchange, summed likewise) []. `fp8_inputs`: the tokens the experts see are rounded to FP8 (1×128 tiles); the router sees them
   unrounded.
   """
   mesh = rules.has_mesh()
@@ -145,15 +145,15 @@ def routed_experts(x_BTD, valid_BT, w: ExpertWeights, routing: Routing, settings
     logits_xE = jnp.einsum("xD,DE->xE", x_xD.astype(jnp.float32), w.router_DE)
     idx_xK, weights_xK, scores_xE = route(logits_xE, w.bias_E, routing, shards)
     valid_x = valid_bt.reshape(-1).astype(jnp.float32)
-    y_xD, dropped = experts.routed(fp8.tiles(x_xD) if fp8_inputs else x_xD, idx_xK, weights_xK,
+    y_xD, dropped, extra = experts.routed(fp8.tiles(x_xD) if fp8_inputs else x_xD, idx_xK, weights_xK,
                                    (w.gate_EDM, w.up_EDM, w.down_EMD), valid_x, settings, shards)
     y_btD = psum(y_xD.reshape(b, t, D), tensor_axes)
     chosen_xE = jax.nn.one_hot(idx_xK, E, dtype=jnp.float32).sum(-2) * valid_x[:, None]
-    load_E, dropped = psum((chosen_xE.sum(0), dropped), batch_axes + length_axes)
+    load_E, dropped, extra = psum((chosen_xE.sum(0), dropped, extra), batch_axes + length_axes)
     sums = (chosen_xE.reshape(b, t, E).sum(1),
             (scores_xE / scores_xE.sum(-1, keepdims=True) * valid_x[:, None]).reshape(b, t, E).sum(1),
             valid_bt.astype(jnp.float32).sum(1))
-    return y_btD, load_E, balance_loss(*psum(sums, length_axes), K), dropped
+    return y_btD, load_E, balance_loss(*psum(sums, length_axes), K), dropped, extra
 
   if not mesh:
     return local(x_BTD, valid_BT, w)
@@ -161,7 +161,7 @@ def routed_experts(x_BTD, valid_BT, w: ExpertWeights, routing: Routing, settings
   w_in, w_out = spec(("experts", None, "expert_mlp")), spec(("experts", "expert_mlp", None))
   w_specs = ExpertWeights(spec(()), spec(()), w_in, w_in, w_out)
   return jax.shard_map(local, in_specs=(spec(("batch", "length", None)), spec(("batch", "length")), w_specs),
-                       out_specs=(spec(("batch", "length", None)), spec(()), spec(("batch",)), spec(())),
+                       out_specs=(spec(("batch", "length", None)), spec(()), spec(("batch",)), spec(()), spec(())),
                        check_vma=experts.typed_axes_hold(settings, w.gate_EDM))(x_BTD, valid_BT, w)
 
 
@@ -195,11 +195,11 @@ class MoE(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Returns y [B, T, D] and aux: `load` [E], `balance` [B], `dropped` [] (see routed_experts)."""
+    """Returns y [B, T, D] and aux: `load` [E], `balance` [B], `dropped` [], `extra` [] (see routed_experts)."""
     w = lambda p: fp8.blocks(p[...].astype(self.dtype)) if self.fp8 else p[...].astype(self.dtype)
     bias_E = self.bias_E[...] if self.bias_E is not None else jnp.zeros(self.w_router_DE.shape[1:], jnp.float32)
     weights = ExpertWeights(self.w_router_DE[...], bias_E, w(self.w_gate_EDM), w(self.w_up_EDM), w(self.w_down_EMD))
-    y_BTD, load_E, balance_B, dropped = routed_experts(x_BTD, valid_BT, weights, self.routing, self.exchange, self.fp8)
+    y_BTD, load_E, balance_B, dropped, extra = routed_experts(x_BTD, valid_BT, weights, self.routing, self.exchange, self.fp8)
     if self.shared is not None:
       y_BTD = y_BTD + self.shared(x_BTD)
-    return y_BTD, {"load": load_E, "balance": balance_B, "dropped": dropped}
+    return y_BTD, {"load": load_E, "balance": balance_B, "dropped": dropped, "extra": extra}

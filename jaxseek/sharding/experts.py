@@ -78,26 +78,28 @@ def shard_count() -> int:
 
 
 def routed(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settings: Settings,
-           shards: int) -> tuple[jax.Array, jax.Array]:
-  """One token shard's routed-expert output [x, D] (partial if m < M) and its dropped copies []: on the shard
-  itself when every expert is local (`shards` = 1) and nothing can drop, else through the fixed or ragged
-  exchange. `w_eDm`: the local experts' (gate, up, down) weights."""
+           shards: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One token shard's routed-expert output [x, D] (partial if m < M), its dropped copies [] and its copies sent
+  in extra rounds of the exchange []: on the shard itself when every expert is local (`shards` = 1) and nothing
+  can drop, else through the fixed or ragged exchange. `w_eDm`: the local experts' (gate, up, down) weights."""
   x, K = idx_xK.shape
   E = w_eDm[0].shape[0] * shards
   cap = capacity(x, K, shards, E // shards, settings.capacity_factor)
   ragged = choice.dispatch_kind(settings.dispatch) == "ragged"  # refused where it cannot run, even unused
   if shards == 1 and cap == capacity(x, K, 1, E, None):
-    return experts_local(x_xD, idx_xK, weights_xK, *w_eDm, settings.matmul), jnp.zeros((), jnp.float32)
+    none = jnp.zeros((), jnp.float32)
+    return experts_local(x_xD, idx_xK, weights_xK, *w_eDm, settings.matmul), none, none
   axes, valid_X = rules.split_axes("experts"), valid_x > 0
   if ragged and shards > 1:
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
-    y_xD, kept_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap, rows,
+    y_xD, kept_Kx, extra_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap, rows,
                                             matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch,
                                             valid_X=valid_X)
   else:
-    y_xD, kept_Kx = experts_parallel(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap,
+    y_xD, kept_Kx, extra_Kx = experts_parallel(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap,
                                      matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X)
-  return y_xD, ((1.0 - kept_Kx.astype(jnp.float32)) * valid_x).sum()
+  count = lambda a_Kx: (a_Kx.astype(jnp.float32) * valid_x).sum()
+  return y_xD, count(~kept_Kx), count(extra_Kx)
 
 
 def typed_axes_hold(settings: Settings, w_gate_EDM: jax.Array) -> bool:
@@ -161,7 +163,8 @@ def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD,
   y_JD = dispatch(exchange, exchange, y_RD, (), fp8_back=fp8_dispatch).at[slot_J].get(mode="fill", fill_value=0)
   weights_KX = weights_XK.T.astype(y_JD.dtype)
   y_XD = jnp.einsum("KXD,KX->XD", y_JD.reshape(K, X, D), weights_KX)
-  return y_XD, (slot_J < rows).reshape(K, X)
+  sent_KX = (slot_J < rows).reshape(K, X)
+  return y_XD, sent_KX, jnp.zeros_like(sent_KX)
 
 
 def receive_rows(tokens: int, k: int, shards: int, cap: int, factor: float) -> int:
@@ -183,13 +186,16 @@ class RaggedPlan(NamedTuple):
   group_sizes_e: jax.Array  # rows of each local expert in the receive buffer (expert-major, from offset 0)
 
 
-def ragged_plan(count_PE: jax.Array, me: jax.Array | int, rows: int) -> RaggedPlan:
-  """Device `me`'s plan from every source's copy counts per global expert [P (source), E] and the receive rows R.
+def ragged_plan(count_PE: jax.Array, me: jax.Array | int, rows: int, first: jax.Array | int = 0) -> RaggedPlan:
+  """Device `me`'s plan for one round from every source's copy counts per global expert [P (source), E], the
+  receive rows R and the round's first receive position (round r: r·R).
 
-  Receive buffer of destination q, expert-major: local expert 0's rows from source 0, 1, ..., P-1, then local
-  expert 1's, ...; slice (l, s) starts at start[q, l, s] = Σ of the slices before it, and keeps
-  clip(R − start, 0, count) rows: the copies past R are the tail of the (destination, expert, source) order.
-  Slices that send nothing get offset 0.
+  Receive order of destination q, expert-major: local expert 0's rows from source 0, 1, ..., P-1, then local
+  expert 1's, ...; slice (l, s) spans positions [start, start + count) with start[q, l, s] = Σ of the slices
+  before it. A round carries the positions [first, first + R) into a buffer of R rows: slice (l, s) sends the
+  part of its span inside them, at receive offset lo − first (lo = clip(start, first, first + R)), from its send
+  offset plus lo − start. Round 0 alone is the single-buffer plan: copies past R are the tail of the
+  (destination, expert, source) order. Slices that send nothing in the round get offset 0.
   """
   P, E = count_PE.shape
   e = E // P
@@ -197,53 +203,79 @@ def ragged_plan(count_PE: jax.Array, me: jax.Array | int, rows: int) -> RaggedPl
   arrive_PeP = count_PPe.transpose(1, 2, 0)  # [destination, local expert, source]: each receive buffer's order
   flat_PR = arrive_PeP.reshape(P, e * P)
   start_PeP = (jnp.cumsum(flat_PR, axis=1) - flat_PR).reshape(P, e, P)
-  kept_PeP = jnp.clip(rows - start_PeP, 0, arrive_PeP)
-  start_PeP = jnp.where(kept_PeP > 0, start_PeP, 0)  # an empty slice at 0, never past the end of a buffer
-  send_start_PPe = (jnp.cumsum(count_PE, axis=1) - count_PE).reshape(P, P, e)
+  lo_PeP = jnp.clip(start_PeP, first, first + rows)
+  kept_PeP = jnp.clip(start_PeP + arrive_PeP, first, first + rows) - lo_PeP
+  skip_PeP = lo_PeP - start_PeP  # the slice's rows sent in earlier rounds
+  recv_PeP = jnp.where(kept_PeP > 0, lo_PeP - first, 0)  # an empty slice at 0, never past the end of a buffer
+  send_start_PPe = (jnp.cumsum(count_PE, axis=1) - count_PE).reshape(P, P, e) + skip_PeP.transpose(2, 0, 1)
   send_start_PPe = jnp.where(kept_PeP.transpose(2, 0, 1) > 0, send_start_PPe, 0)
   mine_eP = kept_PeP[me]
   return RaggedPlan(send_offsets_E=send_start_PPe[me].reshape(E),
                     send_sizes_E=kept_PeP[:, :, me].reshape(E),
-                    out_offsets_E=start_PeP[:, :, me].reshape(E),
+                    out_offsets_E=recv_PeP[:, :, me].reshape(E),
                     recv_sizes_E=mine_eP.T.reshape(E),
-                    recv_offsets_E=start_PeP[me].T.reshape(E),
+                    recv_offsets_E=recv_PeP[me].T.reshape(E),
                     back_offsets_E=send_start_PPe[:, me].reshape(E),
                     group_sizes_e=mine_eP.sum(-1))
+
+
+def rounds_needed(count_PE: jax.Array, rows: int) -> jax.Array:
+  """The rounds of R = `rows` receive rows that carry every copy to the busiest destination (the same on every
+  device: all read the all-gathered counts)."""
+  P, E = count_PE.shape
+  arrive_P = count_PE.reshape(P, P, E // P).sum((0, 2))
+  return jnp.maximum(-(-arrive_P.max() // rows), 1)
 
 
 def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
                             shards: int, cap: int, rows: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
                             exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None
-                            ) -> tuple[jax.Array, jax.Array]:
+                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Expert-parallel computation with exact sizes: counts all-gathered, `ragged_all_to_all` of the routed copies
   into R = `rows` rows grouped by local expert, grouped matmuls, `ragged_all_to_all` back, weighted combine.
 
-  The capacity rule (`cap` per destination, k-major) applies first, as in `experts_parallel`; copies past R on
-  their receiver are dropped too, and padding tokens' (valid_X false) are never sent. `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on
-  CPU, where XLA has none). Returns the (partial, if m < M) output [X, D] and which copies were kept [K, X].
+  The capacity rule (`cap` per destination, k-major) applies first, as in `experts_parallel` (dropless at the
+  worst-case `cap`); padding tokens' copies (valid_X false) are never sent. Where a destination receives more
+  than R copies, the rest go in further rounds of R rows (`rounds_needed`, at most ⌈P·C / R⌉; each extra round
+  recomputed in the backward, so memory stays at one round's): no copy is dropped for want of receive rows.
+  `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on CPU, where XLA has none). Returns
+  the (partial, if m < M) output [X, D], which copies were sent [K, X] and which went after the first round
+  [K, X].
   """
   X, K = idx_XK.shape
   D, e = x_XD.shape[1], w_gate_eDm.shape[0]
   J = K * X
   order_J, key_J, count_E = send_order(idx_XK, shards, e, cap, valid_X)
   count_PE = jax.lax.all_gather(count_E, axes).reshape(shards, shards * e)
-  plan = ragged_plan(count_PE, jax.lax.axis_index(axes), rows)
+  me, send_JD = jax.lax.axis_index(axes), x_XD[order_J % X]
 
-  def send(a, plan):
-    return exchange(a, _buffer(a, rows), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
-                    plan.recv_sizes_E, axis_name=axes)
+  def one_round(first):
+    plan = ragged_plan(count_PE, me, rows, first)
 
-  def back(a, plan):
-    return exchange(a, _buffer(a, J), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
-                    plan.send_sizes_E, axis_name=axes)
+    def send(a, plan):
+      return exchange(a, _buffer(a, rows), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
+                      plan.recv_sizes_E, axis_name=axes)
 
-  recv_RD = dispatch(send, back, x_XD[order_J % X], plan, fp8_out=fp8_dispatch)
-  y_RD = expert_ffn(recv_RD, plan.group_sizes_e, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
-  back_JD = dispatch(back, send, y_RD, plan, fp8_back=fp8_dispatch)  # rows of dropped copies stay zero
+    def back(a, plan):
+      return exchange(a, _buffer(a, J), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
+                      plan.send_sizes_E, axis_name=axes)
+
+    recv_RD = dispatch(send, back, send_JD, plan, fp8_out=fp8_dispatch)
+    y_RD = expert_ffn(recv_RD, plan.group_sizes_e, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
+    return dispatch(back, send, y_RD, plan, fp8_back=fp8_dispatch)  # rows not sent this round stay zero
+
+  back_JD = one_round(0)
+  first_J = kept_sorted(key_J, ragged_plan(count_PE, me, rows))
+  extra = -(-shards * cap // rows) - 1  # the most further rounds any routing can need
+  if extra > 0:
+    rounds = rounds_needed(count_PE, rows)
+    later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: _zeros_like_round(send_JD, w_gate_eDm, w_up_eDm, w_down_emD), r * rows))
+    back_JD, _ = jax.lax.scan(lambda acc, r: (acc + later(r), None), back_JD, jnp.arange(1, extra + 1))
   position_J = jnp.zeros((J,), jnp.int32).at[order_J].set(jnp.arange(J, dtype=jnp.int32))
   weights_KX = weights_XK.T.astype(back_JD.dtype)
   y_XD = jnp.einsum("KXD,KX->XD", back_JD[position_J].reshape(K, X, D), weights_KX)
-  return y_XD, kept_sorted(key_J, plan)[position_J].reshape(K, X)
+  sent_J = key_J < shards * e
+  return y_XD, sent_J[position_J].reshape(K, X), (sent_J & ~first_J)[position_J].reshape(K, X)
 
 
 def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int, valid_X: jax.Array | None = None
@@ -260,12 +292,17 @@ def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int, val
 
 
 def kept_sorted(key_J: jax.Array, plan: RaggedPlan) -> jax.Array:
-  """Which positions of the send buffer are sent (each slice's first send_sizes rows; key E: none). An empty
-  slice's offset is 0, and it keeps no rank."""
+  """Which positions of the send buffer a round's plan sends (each slice's send_sizes rows from its offset; key E:
+  none). An empty slice's offset is 0, and it keeps no rank."""
   E = plan.send_sizes_E.shape[0]
   slice_J = jnp.minimum(key_J, E - 1)
   rank_J = jnp.arange(key_J.shape[0], dtype=jnp.int32) - plan.send_offsets_E[slice_J]
-  return (key_J < E) & (rank_J < plan.send_sizes_E[slice_J])
+  return (key_J < E) & (rank_J >= 0) & (rank_J < plan.send_sizes_E[slice_J])
+
+
+def _zeros_like_round(send_JD, *weights) -> jax.Array:
+  """A skipped round's returned rows: zeros [J, D] varying over every mesh axis a round's result varies over."""
+  return jnp.zeros_like(send_JD) + grouped.varying_zero(send_JD, *weights).astype(send_JD.dtype)
 
 
 def _buffer(a: jax.Array, n: int) -> jax.Array:
@@ -337,5 +374,6 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None) -> st
             f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
   recv = receive_rows(x, K, P, cap, m.moe_recv_factor)
   return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
-          f"into a receive buffer of {recv} rows (model.moe_recv_factor={m.moe_recv_factor:g}, dropless from "
-          f"{min(P, m.n_routed_experts / K):g}); {rows}, results back in {t.compute_dtype}")
+          f"into a receive buffer of {recv} rows a round (model.moe_recv_factor={m.moe_recv_factor:g}: one round "
+          f"from {min(P, m.n_routed_experts / K):g}, further rounds past it, none dropped); {rows}, results back in "
+          f"{t.compute_dtype}")
