@@ -507,6 +507,106 @@ def test_ragged_dispatch_with_a_small_receive_buffer_sends_the_rest_in_further_r
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def grouped_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                              axis_name, axis_index_groups=None):
+  """emulated_ragged_all_to_all inside groups of devices (axis_index_groups; None: all of them): row n of a
+  source's slice i lands at output_offsets[i] + n − input_offsets[i] on the group's i // (slices / group size)."""
+  del recv_sizes
+  groups = axis_index_groups or [list(range(jax.lax.axis_size(axis_name)))]
+  size = len(groups[0])
+  rank = np.zeros(sum(map(len, groups)), np.int32)
+  for group in groups:
+    rank[list(group)] = np.arange(size)
+  me = jnp.asarray(rank)[jax.lax.axis_index(axis_name)]
+  N, R = operand.shape[0], output.shape[0]
+  gather = lambda a: jax.lax.all_gather(a, axis_name, axis_index_groups=axis_index_groups)
+  every_PN = gather(operand)
+  lo_PS, size_PS, at_PS = (gather(a) for a in (input_offsets, send_sizes, output_offsets))
+  per = lo_PS.shape[1] // size
+  mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * per, per, axis=1)[:, None, :]
+  lo, size_, at = mine(lo_PS), mine(size_PS), mine(at_PS)
+  n = jnp.arange(N)[None, :, None]
+  inside_PNj = (n >= lo) & (n < lo + size_)
+  target_PN = jnp.where(inside_PNj.any(-1), jnp.where(inside_PNj, at + n - lo, 0).sum(-1), R)
+  return output.at[target_PN.reshape(-1)].set(every_PN.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+NODE_SHARDS, NODE = 8, 4  # the expert axis as 2 nodes of 4 devices
+
+
+def two_stage_inputs(seed=5):
+  """8 shards of X tokens, E = 16 experts (2 per device, 8 per node), K = 3 experts per token, every token on
+  expert 0 (node 0) and two others."""
+  rng = np.random.default_rng(seed)
+  E2, K2 = 16, 3
+  rest = np.stack([rng.choice(np.arange(1, E2), K2 - 1, replace=False) for _ in range(NODE_SHARDS * X)])
+  idx = np.concatenate([np.zeros((NODE_SHARDS * X, 1), np.int64), rest], 1).astype(np.int32)
+  x = rng.normal(size=(NODE_SHARDS * X, D)).astype(np.float32)
+  weights = rng.uniform(0.2, 1.0, size=(NODE_SHARDS * X, K2)).astype(np.float32)
+  w_gate, w_up = (rng.normal(size=(E2, D, M)).astype(np.float32) / np.sqrt(D) for _ in range(2))
+  w_down = rng.normal(size=(E2, M, D)).astype(np.float32) / np.sqrt(M)
+  return x, idx, weights, w_gate, w_up, w_down
+
+
+def on_node_mesh(fn, args, cotangent=None):
+  """fn(x, idx, weights, w_gate, w_up, w_down) → (y, extra) in a shard_map over the 8-device expert axis."""
+  mesh = jax.make_mesh((NODE_SHARDS,), EXPERT_AXES, axis_types=(jax.sharding.AxisType.Auto,))
+  split = jax.P("expert")
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=(split,) * 6, out_specs=(split, jax.P()), check_vma=False)
+  if cotangent is None:
+    return jax.device_get(jax.jit(mapped)(*args))
+  x, idx, weights, *w = args
+  loss = lambda x, weights, *w: (mapped(x, idx, weights, *w)[0] * cotangent).sum()
+  return jax.device_get(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, *w))
+
+
+def two_stage_fn(rows, fp8=False):
+  return lambda x, idx, w, *ws: (lambda y, extra: (y, jax.lax.psum(extra, EXPERT_AXES)))(*experts.experts_two_stage(
+      x, idx, w, tuple(ws), EXPERT_AXES, NODE_SHARDS, NODE, rows, matmul="blocked", fp8_dispatch=fp8,
+      exchange=grouped_ragged_all_to_all))
+
+
+def one_stage_fn(fp8=False):
+  cap = capacity(X, 3, NODE_SHARDS, 2, None)
+  rows = receive_rows(X, 3, NODE_SHARDS, cap, 2.0)
+  return lambda *a: (lambda y, kept, extra: (y, jax.lax.psum(extra.sum(), EXPERT_AXES)))(*experts_parallel_ragged(
+      *a, EXPERT_AXES, NODE_SHARDS, cap, rows, matmul="blocked", fp8_dispatch=fp8,
+      exchange=grouped_ragged_all_to_all))
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_two_stage_dispatch_equals_the_per_copy_reference_in_values_and_gradients(factor):
+  """2 nodes × 4 devices, every token on expert 0: each token's hidden state crosses to a node once, the node
+  sums its experts' weighted outputs and sends one row back. Output equals Σ_k w·SwiGLU_k(x) per copy (float64
+  NumPy), gradients equal the one-stage dispatch's; expert 0's device receives more than one buffer, so the
+  second stage takes further rounds and says so."""
+  x, idx, weights, *w = args = two_stage_inputs()
+  rows = receive_rows(X, 3, NODE_SHARDS, capacity(X, 3, NODE_SHARDS, 2, None), factor)
+  y, extra = on_node_mesh(two_stage_fn(rows), args)
+  y_ref = sum(weights[:, k, None] * numpy_swiglu(x, idx[:, k], *w) for k in range(3))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  assert float(extra) > 0, extra  # 96 copies for expert 0's device against R = 72 (or 18) rows
+  cotangent = np.random.default_rng(2).normal(size=y.shape).astype(np.float32)
+  for a, b in zip(on_node_mesh(two_stage_fn(rows), args, cotangent), on_node_mesh(one_stage_fn(), args, cotangent)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_two_stage_float8_dispatch_equals_the_one_stage_float8_dispatch():
+  """The second stage re-rounds rows that are already e4m3 with the same tile scales: exact, so the output is the
+  one-stage float8 dispatch's (to summation order), and so are the gradients."""
+  args = two_stage_inputs(seed=8)
+  rows = receive_rows(X, 3, NODE_SHARDS, capacity(X, 3, NODE_SHARDS, 2, None), 2.0)
+  y2, _ = on_node_mesh(two_stage_fn(rows, fp8=True), args)
+  y1, _ = on_node_mesh(one_stage_fn(fp8=True), args)
+  y_bf, _ = on_node_mesh(one_stage_fn(), args)
+  np.testing.assert_allclose(y2, y1, rtol=1e-5, atol=1e-6)
+  assert np.abs(y1 - y_bf).max() > 1e-3  # the float8 rounding shows
+  cotangent = np.random.default_rng(4).normal(size=y1.shape).astype(np.float32)
+  for a, b in zip(on_node_mesh(two_stage_fn(rows, fp8=True), args, cotangent),
+                  on_node_mesh(one_stage_fn(fp8=True), args, cotangent)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def numpy_e4m3_tiles(x: np.ndarray) -> np.ndarray:
   """x [N, D] rounded to e4m3 per 1×128 tile, scale = amax · (1/448) (float32 arithmetic)."""
   import ml_dtypes

@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxseek.config import ModelConfig
 from jaxseek.errors import UserError
@@ -229,7 +230,8 @@ def rounds_needed(count_PE: jax.Array, rows: int) -> jax.Array:
 
 def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
                             shards: int, cap: int, rows: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
-                            exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None
+                            exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None,
+                            groups: tuple[tuple[int, ...], ...] | None = None
                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Expert-parallel computation with exact sizes: counts all-gathered, `ragged_all_to_all` of the routed copies
   into R = `rows` rows grouped by local expert, grouped matmuls, `ragged_all_to_all` back, weighted combine.
@@ -238,27 +240,29 @@ def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_do
   worst-case `cap`); padding tokens' copies (valid_X false) are never sent. Where a destination receives more
   than R copies, the rest go in further rounds of R rows (`rounds_needed`, at most ⌈P·C / R⌉; each extra round
   recomputed in the backward, so memory stays at one round's): no copy is dropped for want of receive rows.
-  `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on CPU, where XLA has none). Returns
-  the (partial, if m < M) output [X, D], which copies were sent [K, X] and which went after the first round
-  [K, X].
+  `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on CPU, where XLA has none).
+  `groups`: the exchange runs inside each group of devices of `axes` (axis_index_groups; `shards` = its size),
+  as the second stage of `experts_two_stage` does within a node. Returns the (partial, if m < M) output [X, D],
+  which copies were sent [K, X] and which went after the first round [K, X].
   """
   X, K = idx_XK.shape
   D, e = x_XD.shape[1], w_gate_eDm.shape[0]
   J = K * X
   order_J, key_J, count_E = send_order(idx_XK, shards, e, cap, valid_X)
-  count_PE = jax.lax.all_gather(count_E, axes).reshape(shards, shards * e)
-  me, send_JD = jax.lax.axis_index(axes), x_XD[order_J % X]
+  count_PE = jax.lax.all_gather(count_E, axes, axis_index_groups=groups).reshape(shards, shards * e)
+  me, send_JD = rank_in_group(axes, groups), x_XD[order_J % X]
+  grouped_kw = {} if groups is None else {"axis_index_groups": groups}
 
   def one_round(first):
     plan = ragged_plan(count_PE, me, rows, first)
 
     def send(a, plan):
       return exchange(a, _buffer(a, rows), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
-                      plan.recv_sizes_E, axis_name=axes)
+                      plan.recv_sizes_E, axis_name=axes, **grouped_kw)
 
     def back(a, plan):
       return exchange(a, _buffer(a, J), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
-                      plan.send_sizes_E, axis_name=axes)
+                      plan.send_sizes_E, axis_name=axes, **grouped_kw)
 
     recv_RD = dispatch(send, back, send_JD, plan, fp8_out=fp8_dispatch)
     y_RD = expert_ffn(recv_RD, plan.group_sizes_e, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
@@ -278,14 +282,87 @@ def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_do
   return y_XD, sent_J[position_J].reshape(K, X), (sent_J & ~first_J)[position_J].reshape(K, X)
 
 
+def rank_in_group(axes: tuple[str, ...], groups) -> jax.Array:
+  """This device's index within its group of `axes` (`groups`: axis_index_groups; None: the whole axes)."""
+  me = jax.lax.axis_index(axes)
+  if groups is None:
+    return me
+  rank = np.zeros(sum(len(g) for g in groups), np.int32)
+  for group in groups:
+    rank[list(group)] = np.arange(len(group))
+  return jnp.asarray(rank)[me]
+
+
+def node_groups(shards: int, node: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+  """(within each node, across nodes at one local rank): the axis_index_groups of the expert axis's `shards`
+  devices, `node` consecutive ones per node."""
+  nodes = shards // node
+  within = tuple(tuple(n * node + g for g in range(node)) for n in range(nodes))
+  across = tuple(tuple(n * node + g for n in range(nodes)) for g in range(node))
+  return within, across
+
+
+def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, ...], shards: int, node: int,
+                      rows: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
+                      exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Node-limited dispatch on an expert axis of `shards` devices, `node` per node. Stage 1 (across nodes):
+  each token's hidden state goes once to every node holding one of its experts, to the device of this device's
+  local rank there, with its expert ids and gate weights on that node (`ragged_all_to_all` among the devices of
+  one local rank; at most one row per token and node, so N·X receive rows hold any routing). Stage 2 (within
+  the node): `experts_parallel_ragged` over the node's devices, which runs the experts and sums each row's
+  weighted expert outputs there. The sums come back by stage 1's reverse, one row per token and node, and are
+  added. With `fp8_dispatch` both stages send the tokens as e4m3 (the second rounding is exact: the same tiles
+  and scales), the combine comes back in the compute dtype. Returns the (partial, if m < M) output [X, D] and
+  the copies sent in extra rounds of stage 2 [] (nothing is dropped)."""
+  X, K = idx_XK.shape
+  e, N = w_eDm[0].shape[0], shards // node
+  within, across = node_groups(shards, node)
+  node_XK = idx_XK // (e * node)
+  reach_XN = (jax.nn.one_hot(node_XK, N, dtype=jnp.bool_) & (True if valid_X is None else valid_X[:, None, None])
+              ).any(1)
+  key_S = jnp.where(reach_XN.T, jnp.arange(N)[:, None], N).reshape(-1)  # slot n·X + t: token t for node n
+  order_S = jnp.argsort(key_S, stable=True)
+  count_NN = jax.lax.all_gather(jnp.bincount(key_S, length=N + 1)[:N].astype(jnp.int32), axes,
+                                axis_index_groups=across)
+  plan = ragged_plan(count_NN, rank_in_group(axes, across), N * X)
+  token_S, node_S = order_S % X, order_S // X
+  local_SK = idx_XK[token_S] - node_S[:, None] * e * node  # expert ids within the receiving node
+  mine_SK = (node_XK[token_S] == node_S[:, None]) & (key_S[order_S] < N)[:, None]
+  meta_SK2 = jnp.concatenate([jax.lax.stop_gradient(jnp.where(mine_SK, local_SK, -1).astype(jnp.float32)),
+                              jnp.where(mine_SK, weights_XK[token_S], 0).astype(jnp.float32)], axis=1)
+
+  def send(a, plan):
+    return exchange(a, _buffer(a, N * X), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
+                    plan.recv_sizes_E, axis_name=axes, axis_index_groups=across)
+
+  def back(a, plan):
+    return exchange(a, _buffer(a, N * X), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
+                    plan.send_sizes_E, axis_name=axes, axis_index_groups=across)
+
+  recv_RD = dispatch(send, back, x_XD[token_S], plan, fp8_out=fp8_dispatch)
+  meta_RK2 = dispatch(send, back, meta_SK2, plan)
+  ids_RK = jax.lax.stop_gradient(meta_RK2[:, :K]).astype(jnp.int32)
+  valid_RK = ids_RK >= 0  # rows past what arrived hold zeros: id 0, weight 0, and are left out here
+  valid_RK = valid_RK & (jnp.arange(N * X) < plan.group_sizes_e.sum())[:, None]
+  cap = capacity(N * X, K, node, e, None)
+  y_RD, _, extra_KR = experts_parallel_ragged(
+      recv_RD, jnp.where(valid_RK, ids_RK, 0), meta_RK2[:, K:], *w_eDm, axes, node, cap, rows, matmul=matmul,
+      fp8_dispatch=fp8_dispatch, exchange=exchange, valid_X=valid_RK, groups=within)
+  back_SD = dispatch(back, send, y_RD, plan)  # one row per token and node, in the compute dtype
+  y_XD = jnp.zeros_like(x_XD).at[token_S].add(jnp.where((key_S[order_S] < N)[:, None], back_SD, 0))
+  return y_XD, extra_KR.astype(jnp.float32).sum()
+
+
 def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int, valid_X: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The ragged send buffer's order: copies (j = k·X + x) sorted by global expert, so by destination and within
-  one by local expert, k-major within one expert; copies the capacity rule drops go last (key E, never sent).
-  Returns the copy at each position [J], its key [J] and the copies per expert within capacity [E]."""
+  one by local expert, k-major within one expert; copies the capacity rule drops go last (key E, never sent), as
+  do the copies `valid_X` leaves out (per token [X], or per copy [X, K]). Returns the copy at each position [J], its key [J] and the copies per expert within capacity [E]."""
   E = shards * local_experts
   idx_J = idx_XK.T.reshape(-1)
-  valid_J = None if valid_X is None else jnp.tile(valid_X, idx_XK.shape[1])
+  valid_J = None if valid_X is None else (valid_X.T.reshape(-1) if valid_X.ndim == 2 else
+                                          jnp.tile(valid_X, idx_XK.shape[1]))
   key_J = jnp.where(send_slots(idx_J // local_experts, shards, cap, valid_J) < shards * cap, idx_J, E)
   order_J = jnp.argsort(key_J, stable=True)
   return order_J, key_J[order_J], jnp.bincount(key_J, length=E + 1)[:E].astype(jnp.int32)
