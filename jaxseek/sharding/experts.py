@@ -16,11 +16,11 @@ Dispatch on the expert axis (P shards), `model.moe_dispatch` as `choice.dispatch
       local expert) and computes the same plan (`ragged_plan`). Destination q's one receive buffer of R rows is
       expert-major: local expert 0's rows from sources 0, 1, ..., then local expert 1's, ...
         start[q, l, s] = Σ over the slices (l', s') before (l, s) of count[s', q, l'],
-        kept[q, l, s] = clip(R − start, 0, count[s, q, l]),   R = min(⌈moe_recv_factor · J⌉, P · C)
+        kept[q, l, s] = clip(R − start, 0, count[s, q, l]),   R = min(⌈moe_recv_factor · J⌉, P · C)  (round 0)
       One `ragged_all_to_all` (E slices, e per peer) sends exactly the kept copies; the grouped matmul runs over
       the groups Σ_s kept[q, l, s] (no padding rows); a second one returns the results to the senders' sorted
-      positions. Copies past R are dropped like copies past C and counted in the same `dropped`; with
-      moe_recv_factor ≥ min(P, E/K) nothing is (R then holds the worst case, P · X · min(K, e)).
+      positions. Copies past R go in further rounds of R rows (`ragged_plan`'s `first`), never dropped, and are
+      counted in `extra`; with moe_recv_factor ≥ min(P, E/K) one round holds the worst case, P · X · min(K, e).
   moe_dispatch_dtype=float8_e4m3fn  the exchanges that carry rows to the experts travel as e4m3 with a float32
       scale per 1×128 tile (amax / 448): D + 4·⌈D/128⌉ bytes a row instead of 2·D in bfloat16, dequantised to the
       compute dtype on arrival. Forward: the dispatched tokens in e4m3, the expert results back in the compute
@@ -29,7 +29,7 @@ Dispatch on the expert axis (P shards), `model.moe_dispatch` as `choice.dispatch
       the identity (`dispatch`).
 Compiled for 8 H200s (bench-v3-1b, 4 layers, batch 8 × 1024 on expert=8; docs/moe.md): fixed, every all_to_all
 bf16[8, 4096, 2048] (32,768 rows for 4,096 copies), temp 3.99 GiB; ragged, 4,096 rows out into R = 8,192,
-temp 1.64 GiB (1.61 with FP8 dispatch, 2,112 bytes a row).
+temp 1.64 GiB (1.61 with FP8 dispatch, 2,112 bytes a row) in one round, 1.89 GiB with the further rounds.
 """
 
 from __future__ import annotations
