@@ -70,7 +70,9 @@ class ModelConfig:
   # all_to_all (padded: any backend); "ragged" exchanges the copy counts first, then sends exactly the routed
   # copies with ragged_all_to_all into one receive buffer per device, grouped by local expert (GPU, TPU: XLA:CPU
   # has no ragged-all-to-all); "auto" is ragged on GPU and TPU, fixed elsewhere.
-  moe_dispatch: Literal["auto", "fixed", "ragged"] = "auto"
+  # "two_stage" (node-limited): each token crosses to a node once, then fans out within it (auto picks it on GPU
+  # and TPU where the expert axis spans nodes and no capacity factor is set).
+  moe_dispatch: Literal["auto", "fixed", "ragged", "two_stage"] = "auto"
   # The ragged receive buffer of one round, R = ⌈moe_recv_factor · K·x⌉ rows for x local tokens (K·x = a shard's
   # balanced load); copies past R go in further rounds of the exchange (never dropped; moe_extra_round_fraction
   # counts them). One round always from f = min(P, E/K) on (P expert shards; the worst case is every source
@@ -147,6 +149,8 @@ class MeshConfig:
   sequence_parallel: bool = False  # Megatron SP: the residual stream and its norms split on length over tensor
   num_cpu_devices: int | None = None  # simulated CPU devices per process (machines without an accelerator)
   allow_cross_host: bool = False  # let expert / tensor groups span processes (slow links); refused by default
+  # devices per node for the expert exchange (consecutive in the mesh's order); null: the processes' hosts
+  devices_per_node: int | None = None
 
   def sizes(self) -> dict[str, int]:
     return {a: getattr(self, a) for a in MESH_AXES}
@@ -489,6 +493,9 @@ def _check_mesh(cfg: Config) -> None:
   if cfg.mesh.num_cpu_devices is not None and cfg.mesh.num_cpu_devices < 1:
     raise UserError(f"config key mesh.num_cpu_devices: {cfg.mesh.num_cpu_devices} must be ≥ 1, or null to use the "
                     f"real devices (not simulated)")
+  if cfg.mesh.devices_per_node is not None and cfg.mesh.devices_per_node < 1:
+    raise UserError(f"config key mesh.devices_per_node: {cfg.mesh.devices_per_node} must be ≥ 1, or null to take "
+                    f"the nodes from the processes' hosts")
   sizes = cfg.mesh.sizes()
   if list(sizes.values()).count(-1) > 1:
     raise UserError("at most one mesh axis may be -1 (auto-filled); set the others to explicit sizes")

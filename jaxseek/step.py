@@ -25,7 +25,7 @@ from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left, target_exists
 from jaxseek.pipeline import stages as pipeline_lib
-from jaxseek.sharding import compression
+from jaxseek.sharding import compression, experts
 from jaxseek.sharding import gradsum
 from jaxseek.sharding import rules
 from jaxseek.sharding.rules import param_spec, shard, state_rules
@@ -140,10 +140,12 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
 
   check_setup(cfg, mesh, backend_checks)
 
+  exchange = experts.Settings.from_config(cfg.model, experts.node_shards(mesh, cfg.mesh.devices_per_node))
+
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
                            dtype=cfg.train.compute_dtype, remat=cfg.train.remat, fp8=cfg.train.fp8,
-                           run_stack=pipeline_lib.stack_runner(cfg))
+                           run_stack=pipeline_lib.stack_runner(cfg), exchange=exchange)
 
   with jax.set_mesh(mesh):
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)

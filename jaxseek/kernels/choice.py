@@ -224,12 +224,12 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
 
 
 def dispatch_kind(setting: str, where: str | None = None) -> str:
-  """model.moe_dispatch resolved for platform `where` (default: the mesh's): auto is ragged on GPU and TPU, fixed
-  elsewhere."""
+  """model.moe_dispatch resolved for platform `where` (default: the mesh's): auto is ragged on GPU and TPU (two
+  stages where the expert axis spans nodes: sharding/experts.py), fixed elsewhere."""
   where = where or platform()
   if setting == "auto":
     return "ragged" if where in ("gpu", "tpu") else "fixed"
-  if setting == "ragged" and where not in ("gpu", "tpu"):
-    raise UserError(f"config key model.moe_dispatch: ragged needs ragged-all-to-all, which XLA does not implement "
-                    f"on {where}; use auto or fixed")
+  if setting in ("ragged", "two_stage") and where not in ("gpu", "tpu"):
+    raise UserError(f"config key model.moe_dispatch: {setting} needs ragged-all-to-all, which XLA does not "
+                    f"implement on {where}; use auto or fixed")
   return setting

@@ -19,18 +19,21 @@ from flax import nnx
 
 from jaxseek.config import ModelConfig
 from jaxseek.model.transformer import RunStack, Transformer
+from jaxseek.sharding import experts
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def build(cfg: ModelConfig, *, seed: int = 0, param_dtype: str = "float32", dtype: str = "float32",
-          remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None) -> Transformer:
+          remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None,
+          exchange: experts.Settings | None = None) -> Transformer:
   """Builds the model with freshly initialised parameters (wrap in nnx.eval_shape to allocate nothing).
   `run_stack` runs each layer stack where it returns a result (a pipeline schedule: pipeline.stages.stack_runner,
   which expects the stacks in its storage order), else the stack's own lax.scan; `fp8` rounds the MLP and
-  expert matmul inputs as FP8 training does (kernels/fp8.py)."""
+  expert matmul inputs as FP8 training does (kernels/fp8.py); `exchange`: how the MoE layers exchange token
+  copies on the mesh (default: from cfg, all expert shards in one node)."""
   return Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=DTYPES[param_dtype], dtype=DTYPES[dtype], remat=remat,
-                     fp8=fp8, run_stack=run_stack)
+                     fp8=fp8, run_stack=run_stack, exchange=exchange)
 
 
 def count_params(cfg: ModelConfig) -> int:

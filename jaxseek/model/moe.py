@@ -178,7 +178,8 @@ def balance_loss(counts_BE: jax.Array, score_sums_BE: jax.Array, tokens_B: jax.A
 class MoE(nnx.Module):
   """Routed experts (dropless unless a capacity factor is set) plus always-on shared experts."""
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False,
+               exchange: experts.Settings | None = None):
     D, E, M = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     std = cfg.initializer_range
     self.w_router_DE = param(rngs, (D, E), ("embed", None), jnp.float32, std)
@@ -191,7 +192,7 @@ class MoE(nnx.Module):
                       fp8=fp8) if cfg.n_shared_experts else None
     self.fp8 = fp8
     self.routing = Routing.from_config(cfg)
-    self.exchange = experts.Settings.from_config(cfg)
+    self.exchange = exchange or experts.Settings.from_config(cfg)  # the mesh's nodes: step.py's
     self.dtype = dtype
 
   def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

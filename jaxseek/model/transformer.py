@@ -14,6 +14,7 @@ from jaxseek.model.attention import make_attention
 from jaxseek.model.layers import MLP, Embed, RMSNorm, param
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.moe import MoE
+from jaxseek.sharding import experts
 from jaxseek.sharding.rules import shard
 
 # the residual stream (its length also split over tensor under mesh.sequence_parallel)
@@ -28,13 +29,14 @@ RunStack = Callable[..., "tuple[jax.Array, dict] | None"]
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)) with a dense MLP or the MoE."""
 
-  def __init__(self, cfg: ModelConfig, moe: bool, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
+  def __init__(self, cfg: ModelConfig, moe: bool, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False,
+               exchange: experts.Settings | None = None):
     D, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.attn_norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.attn = make_attention(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.mlp_norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     if moe:
-      self.mlp = MoE(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
+      self.mlp = MoE(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8, exchange=exchange)
     else:
       self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, param_dtype=param_dtype, dtype=dtype, rngs=rngs,
                      fp8=fp8)
@@ -55,12 +57,13 @@ class Stack(nnx.Module):
   `run_stack`, where it takes the stack: body(x_BTD, layer_state, side) → (x_BTD, aux) over the layers)."""
 
   def __init__(self, cfg: ModelConfig, num_layers: int, moe: bool, *, param_dtype, dtype, remat: str,
-               rngs: nnx.Rngs, fp8: bool = False, run_stack: RunStack | None = None):
+               rngs: nnx.Rngs, fp8: bool = False, run_stack: RunStack | None = None,
+               exchange: experts.Settings | None = None):
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Block:
-      return Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
+      return Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8, exchange=exchange)
 
     self.blocks = make(rngs)
     for _, node in nnx.iter_graph(self.blocks):
@@ -93,13 +96,14 @@ class MTPLayer(nnx.Module):
   shared head, as in DeepSeek-V3's checkpoint layout `shared_head.norm`).
   """
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False,
+               exchange: experts.Settings | None = None):
     D, eps, std = cfg.hidden_size, cfg.rms_norm_eps, cfg.initializer_range
     self.enorm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.hnorm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.w_e_DD = param(rngs, (D, D), ("embed", None), param_dtype, std)
     self.w_h_DD = param(rngs, (D, D), ("embed", None), param_dtype, std)
-    self.block = Block(cfg, cfg.is_moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
+    self.block = Block(cfg, cfg.is_moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8, exchange=exchange)
     self.norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = dtype
 
@@ -128,15 +132,18 @@ class Transformer(nnx.Module):
   """The DeepSeek language model: embedding, dense stack, MoE stack, final norm, head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-               remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None):
+               remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None,
+               exchange: experts.Settings | None = None):
     D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
-    kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, rngs=rngs, fp8=fp8, run_stack=run_stack)
+    kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, rngs=rngs, fp8=fp8, run_stack=run_stack,
+              exchange=exchange)
     self.embed = Embed(V, D, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
     self.dense_layers = Stack(cfg, cfg.num_dense_layers, False, **kw) if cfg.num_dense_layers else None
     self.moe_layers = Stack(cfg, cfg.num_moe_layers, True, **kw) if cfg.num_moe_layers else None
     self.final_norm = RMSNorm(D, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.head_DV = None if cfg.tie_word_embeddings else param(rngs, (D, V), ("embed", "vocab"), param_dtype, std)
-    self.mtp_layers = nnx.List([MTPLayer(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
+    self.mtp_layers = nnx.List([MTPLayer(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8,
+                                         exchange=exchange)
                                 for _ in range(cfg.num_nextn_predict_layers)])
     self.dtype = dtype
 

@@ -60,14 +60,44 @@ class Settings:
   dispatch: str = "auto"
   recv_factor: float = 2.0
   fp8_dispatch: bool = False
+  node: int | None = None  # expert shards per node where the expert axis spans nodes (None: one node)
 
   @classmethod
-  def from_config(cls, cfg: ModelConfig) -> "Settings":
+  def from_config(cls, cfg: ModelConfig, node: int | None = None) -> "Settings":
     if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
       raise UserError(f"config key model.moe_capacity_factor: {cfg.moe_capacity_factor} must be > 0, or null "
                       f"for dropless dispatch")
     return cls(cfg.moe_capacity_factor, cfg.moe_matmul, cfg.moe_dispatch, cfg.moe_recv_factor,
-               cfg.moe_dispatch_dtype == "float8_e4m3fn")
+               cfg.moe_dispatch_dtype == "float8_e4m3fn", node)
+
+  def two_stage(self, shards: int, where: str | None = None) -> bool:
+    """Whether token copies go by the node-limited two-stage exchange on `shards` expert shards: ragged dispatch
+    (two_stage, or auto where ragged runs), no capacity factor, and the expert axis spanning whole nodes."""
+    kind = choice.dispatch_kind(self.dispatch, where)
+    spans = self.node is not None and 1 < self.node < shards and shards % self.node == 0
+    return spans and self.capacity_factor is None and (kind == "two_stage" or kind == "ragged" and
+                                                       self.dispatch == "auto")
+
+
+def node_shards(mesh: jax.sharding.Mesh, devices_per_node: int | None = None) -> int | None:
+  """The expert shards per node of `mesh` (consecutive along the expert axis), None where every expert group
+  stays in one node. Nodes: `devices_per_node` consecutive devices in the mesh's order (mesh.devices_per_node),
+  else the processes' hosts (sharding/mesh.py)."""
+  from jaxseek.sharding import mesh as mesh_lib
+
+  grid = mesh.devices
+  P = grid.shape[list(mesh.axis_names).index("expert")]
+  if devices_per_node:
+    node_of = {d.id: i // devices_per_node for i, d in enumerate(grid.flat)}
+  else:
+    nodes = mesh_lib.process_nodes()
+    node_of = {d.id: nodes.get(d.process_index, d.process_index) for d in grid.flat}
+  groups = np.moveaxis(grid, list(mesh.axis_names).index("expert"), -1).reshape(-1, P)
+  runs = {tuple(np.unique([node_of[d.id] for d in group], return_counts=True)[1]) for group in groups}
+  if len(runs) != 1 or len(set(next(iter(runs)))) != 1:
+    return None  # nodes cut the expert groups unevenly: one stage
+  per = int(next(iter(runs))[0])
+  return per if per < P else None
 
 
 def shard_count() -> int:
@@ -86,11 +116,16 @@ def routed(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settings:
   x, K = idx_xK.shape
   E = w_eDm[0].shape[0] * shards
   cap = capacity(x, K, shards, E // shards, settings.capacity_factor)
-  ragged = choice.dispatch_kind(settings.dispatch) == "ragged"  # refused where it cannot run, even unused
+  ragged = choice.dispatch_kind(settings.dispatch) != "fixed"  # refused where it cannot run, even unused
+  none = jnp.zeros((), jnp.float32)
   if shards == 1 and cap == capacity(x, K, 1, E, None):
-    none = jnp.zeros((), jnp.float32)
     return experts_local(x_xD, idx_xK, weights_xK, *w_eDm, settings.matmul), none, none
   axes, valid_X = rules.split_axes("experts"), valid_x > 0
+  if settings.two_stage(shards):
+    rows = receive_rows(x, K, shards, cap, settings.recv_factor)
+    y_xD, extra = experts_two_stage(x_xD, idx_xK, weights_xK, w_eDm, axes, shards, settings.node, rows,
+                                    matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X)
+    return y_xD, none, extra
   if ragged and shards > 1:
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
     y_xD, kept_Kx, extra_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap, rows,
@@ -432,9 +467,10 @@ def _dispatch_bwd(send, back, fp8_out, fp8_back, plan, dy_MD):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None) -> str:
-  """One line for the start-up summary (cfg: the run's Config, sizes: the mesh's axis sizes): how routed tokens
-  reach the expert shards and the rows one MoE layer sends per device (x local tokens per microbatch)."""
+def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node: int | None = None) -> str:
+  """One line for the start-up summary (cfg: the run's Config, sizes: the mesh's axis sizes, node: expert shards
+  per node): how routed tokens reach the expert shards and the rows one MoE layer sends per device (x local
+  tokens per microbatch)."""
   m, t = cfg.model, cfg.train
   if not m.is_moe:
     return "MoE dispatch: none (dense model)"
@@ -450,6 +486,12 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None) -> st
     return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
             f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
   recv = receive_rows(x, K, P, cap, m.moe_recv_factor)
+  if Settings.from_config(m, node).two_stage(P, where):
+    return (f"MoE dispatch: two-stage (node-limited) over expert={P} as {P // node} nodes × {node}: each token's "
+            f"row crosses to a node at most once (≤ {min(K, P // node)} rows a token instead of its {K} copies), "
+            f"then fans out within the node into a receive buffer of {recv} rows a round (further rounds past it, "
+            f"none dropped); the node's sums come back one row per token and node; {rows}, results back in "
+            f"{t.compute_dtype}")
   return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
           f"into a receive buffer of {recv} rows a round (model.moe_recv_factor={m.moe_recv_factor:g}: one round "
           f"from {min(P, m.n_routed_experts / K):g}, further rounds past it, none dropped); {rows}, results back in "
