@@ -423,18 +423,22 @@ def reading(what: str, advice: str):
   A read that fails part-way leaves TensorStore reads in flight; when they complete they find Orbax's event loop
   closed and each prints an unraisable `RuntimeError: Event loop is closed` traceback (until the interpreter
   exits), and those that fail themselves are logged by asyncio as "Task exception was never retrieved". Those,
-  and only those, are silenced once a read has failed: the failed read's results are discarded anyway."""
+  and only those, are silenced while the read runs and, once it has failed, after it: the failed read's results
+  are discarded anyway."""
   previous = sys.unraisablehook
   sys.unraisablehook = functools.partial(_quiet_closed_loop, previous)
+  # a failing read's other reads fail too, in tasks nobody awaits: asyncio logs each one when it is collected,
+  # which may be before the failure reaches this frame, so the filter is on from the start of the read
+  asyncio_log = logging.getLogger("asyncio")
+  asyncio_log.addFilter(_drop_unretrieved_task_errors)
   try:
     yield
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 — Orbax and TensorStore raise bare Exceptions for unreadable data
-    # the other reads of the failed restore fail too, later, in tasks nobody awaits: asyncio logs each one
-    logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
-    raise UserError(f"{what} ({_innermost_line(e)}); {advice}") from None
+    raise UserError(f"{what} ({_innermost_line(e)}); {advice}") from None  # the filter stays: more may come
   sys.unraisablehook = previous  # the read finished: nothing is left in flight
+  asyncio_log.removeFilter(_drop_unretrieved_task_errors)
 
 
 def _drop_unretrieved_task_errors(record: logging.LogRecord) -> bool:
