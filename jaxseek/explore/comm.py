@@ -356,8 +356,8 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
           "share_on_device": 1 / P, "share_intra_node": (g - 1) / P, "share_inter_node": (P - g) / P,
           "max_expert_shards": limit, "shards_per_token_max": reach, "nodes_per_token_max": node_reach,
           "group_limited": bool(groups), "inter_node_copies_per_token": K * (P - g) / P,
-          # a dispatch that sent a token once per node it reaches and fanned it out there (DeepSeek's) would
-          # cross nodes at most this often per token; jaxseek sends every copy
+          # the two-stage dispatch (a token once per node it reaches, fanned out there: DeepSeek's) crosses nodes
+          # at most this often per token; the figures above time the one-stage exchange (every copy)
           "inter_node_sends_per_token_one_per_node_max": min(node_reach, nodes - 1)}
 
 

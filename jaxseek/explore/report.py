@@ -160,9 +160,9 @@ def expert_line(x: dict[str, Any]) -> str:
   return (f"expert dispatch ({x['kind']}, {x['dispatch_dtype']} out): {rows} per MoE layer run; of the copies "
           f"{100 * x['share_on_device']:.1f}% stay on the device, {100 * x['share_intra_node']:.1f}% go to the "
           f"{g - 1} other shards of its node, {100 * x['share_inter_node']:.1f}% cross nodes ({x['nodes']} nodes of "
-          f"{g} shards); {bound}; every copy is sent, so {x['inter_node_copies_per_token']:.2f} of a token's copies "
-          f"cross nodes (one send per node reached would be at most "
-          f"{x['inter_node_sends_per_token_one_per_node_max']}); {human(x['bytes_total'])} per step = "
+          f"{g} shards); {bound}; timed as one stage, every copy sent: {x['inter_node_copies_per_token']:.2f} of a "
+          f"token's copies cross nodes (the two-stage dispatch sends at most "
+          f"{x['inter_node_sends_per_token_one_per_node_max']} a token); {human(x['bytes_total'])} per step = "
           f"{x['vs_ideal']:.2f} × the ideal ({human(x['ideal_bytes'])})")
 
 
