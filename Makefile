@@ -40,12 +40,16 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m jaxseek.generate --checkpoint runs/demo --tokenizer byte --prompt "def main():" --max-new-tokens 64 \
 	  --temperature 0.7 --top-k 40
 
+# A test whose worker process dies (a native library's crash) runs once more in a new worker; a test that fails an
+# assertion or raises is never rerun (--only-rerun matches no failure's message, only the crash path reruns).
+RERUN_CRASHED = --reruns 1 --only-rerun "worker '\w+' crashed"
+
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 $(RERUN_CRASHED) -m "not slow" tests
 
 # everything, the slow cases too (tests/conftest.py SLOW): about 40 minutes on 2 cores
 test-full: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 $(RERUN_CRASHED) tests
 
 # the CUDA packages (jax-cuda12-*, nvidia-*) are not in constraints.txt; everything else is pinned by it
 $(GPU_VENV)/.installed: pyproject.toml $(LOCK) | $(VENV)/.installed
