@@ -132,16 +132,18 @@ def call(layer: MoE, x_BTD: np.ndarray, expert: int | None):
                  valid_BT)
 
 
-@pytest.mark.parametrize("factor", [2.0, 0.5])
-def test_ragged_dispatch_with_every_token_on_one_expert_is_dropless_on_expert8(factor, monkeypatch):
+@pytest.mark.parametrize("factor, chunks", [(2.0, 1), (0.5, 1), (2.0, 3)])
+def test_ragged_dispatch_with_every_token_on_one_expert_is_dropless_on_expert8(factor, chunks, monkeypatch):
   """Every token routed to expert 0 on expert=8 (one expert per device): device 0 receives 48 copies into
   R = ⌈factor · K·x⌉ rows (24, or 6), so the exchange takes 2 (or 8) rounds. Outputs, loads and the gradients of
   the tokens and every weight equal the single-device layer's; nothing is dropped, and the copies past one
-  buffer are counted as extra."""
+  buffer are counted as extra. With model.moe_overlap_chunks=3 each device's 6 tokens go through 3 independent
+  exchanges of 2 tokens (receive buffers of ⌈factor · K · 2⌉ rows each), with the same results."""
   monkeypatch.setattr(experts.choice, "dispatch_kind", lambda setting, where=None: "ragged")
   monkeypatch.setattr(experts, "experts_parallel_ragged", functools.partial(
       experts.experts_parallel_ragged, exchange=emulated_ragged_all_to_all))
-  layer, x_BTD = moe_layer("model.moe_dispatch=ragged", f"model.moe_recv_factor={factor}")
+  layer, x_BTD = moe_layer("model.moe_dispatch=ragged", f"model.moe_recv_factor={factor}",
+                           f"model.moe_overlap_chunks={chunks}")
   idx, _ = routing_of(layer, x_BTD)
   assert (idx == 0).any(-1).all()
   cotangent = np.random.default_rng(7).normal(size=x_BTD.shape).astype(np.float32)
@@ -164,8 +166,12 @@ def test_ragged_dispatch_with_every_token_on_one_expert_is_dropless_on_expert8(f
   load = np.asarray(aux["load"])
   np.testing.assert_array_equal(load, np.asarray(aux_ref["load"]))
   assert float(aux["dropped"]) == 0.0
-  rows = int(np.ceil(factor * 2 * T))  # K·x = 2 · 6 local tokens on each of the 8 devices
-  assert load[0] == B * T and float(aux["extra"]) == np.maximum(load - rows, 0).sum() > 0
+  # each chunk of each device's row of T tokens: its copies per destination (= expert) past its R rows
+  ends = np.linspace(0, T, chunks + 1).astype(int)
+  idx_BTK = idx.reshape(B, T, -1)
+  past = sum(np.maximum(np.bincount(idx_BTK[:, a:b].ravel(), minlength=8) - int(np.ceil(factor * 2 * (b - a))), 0)
+             for a, b in zip(ends[:-1], ends[1:]))
+  assert load[0] == B * T and float(aux["extra"]) == past.sum() > 0
 
 
 def routing_of(layer: MoE, x_BTD: np.ndarray, shards: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -195,9 +201,11 @@ def test_unbalanced_router_sends_every_token_to_the_hot_expert():
   np.testing.assert_array_equal(np.asarray(aux["load"]), np.bincount(idx.ravel(), minlength=8))
 
 
-@pytest.mark.parametrize("expert", [2, 4])
-def test_dropless_dispatch_drops_nothing_and_equals_no_mesh(expert):
-  layer, x_BTD = moe_layer()
+@pytest.mark.parametrize("expert, chunks", [(2, 1), (4, 1), (4, 2)])
+def test_dropless_dispatch_drops_nothing_and_equals_no_mesh(expert, chunks):
+  """The fixed dispatch (CPU), also with each device's tokens split into 2 chunks with their own exchanges
+  (model.moe_overlap_chunks=2; one chunk's dispatch can run beside the other's GEMMs on GPUs)."""
+  layer, x_BTD = moe_layer(f"model.moe_overlap_chunks={chunks}")
   y_ref, aux_ref = call(layer, x_BTD, None)
   y, aux = call(layer, x_BTD, expert)
   assert float(aux["dropped"]) == 0.0

@@ -85,7 +85,7 @@ def test_ragged_dispatch_sends_the_routed_copies_into_a_receive_buffer_of_f_copi
   if dtype == "null":
     assert outward == {("bf16", D)}
   else:
-    assert ("u8", D + 4 * D // 128) in outward and all(k != "u8" for k, _, _, r in ops if r == COPIES), ops
+    assert ("u8", D + 4 * D // 128) in outward and all(k != "u8" for k, r_in, _, r_out in ops if r_in > r_out), ops
   assert not FIXED_SLOTS.search(got["hlo"])
   assert got["temp_bytes"] / GIB < FIXED_TEMP_GIB
 

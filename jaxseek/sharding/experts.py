@@ -61,6 +61,7 @@ class Settings:
   recv_factor: float = 2.0
   fp8_dispatch: bool = False
   node: int | None = None  # expert shards per node where the expert axis spans nodes (None: one node)
+  chunks: int | None = None  # model.moe_overlap_chunks (None: auto)
 
   @classmethod
   def from_config(cls, cfg: ModelConfig, node: int | None = None) -> "Settings":
@@ -68,7 +69,14 @@ class Settings:
       raise UserError(f"config key model.moe_capacity_factor: {cfg.moe_capacity_factor} must be > 0, or null "
                       f"for dropless dispatch")
     return cls(cfg.moe_capacity_factor, cfg.moe_matmul, cfg.moe_dispatch, cfg.moe_recv_factor,
-               cfg.moe_dispatch_dtype == "float8_e4m3fn", node)
+               cfg.moe_dispatch_dtype == "float8_e4m3fn", node, cfg.moe_overlap_chunks)
+
+  def chunk_count(self, tokens: int, where: str | None = None) -> int:
+    """How many independent exchanges a shard's `tokens` go through: model.moe_overlap_chunks (auto: 2 on GPU
+    and TPU, where collectives run beside compute; 1 on CPU), only for dropless dispatch (a capacity applies
+    per exchange: chunks would drop other copies) and at most one per token."""
+    n = self.chunks or (2 if (where or choice.platform()) in ("gpu", "tpu") else 1)
+    return max(1, min(n, tokens)) if self.capacity_factor is None else 1
 
   def two_stage(self, shards: int, where: str | None = None) -> bool:
     """Whether token copies go by the node-limited two-stage exchange on `shards` expert shards: ragged dispatch
@@ -116,10 +124,30 @@ def routed(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settings:
   x, K = idx_xK.shape
   E = w_eDm[0].shape[0] * shards
   cap = capacity(x, K, shards, E // shards, settings.capacity_factor)
-  ragged = choice.dispatch_kind(settings.dispatch) != "fixed"  # refused where it cannot run, even unused
-  none = jnp.zeros((), jnp.float32)
+  choice.dispatch_kind(settings.dispatch)  # refused where it cannot run, even unused
   if shards == 1 and cap == capacity(x, K, 1, E, None):
+    none = jnp.zeros((), jnp.float32)
     return experts_local(x_xD, idx_xK, weights_xK, *w_eDm, settings.matmul), none, none
+  chunks = settings.chunk_count(x)
+  one_stage_ragged = choice.dispatch_kind(settings.dispatch) != "fixed" and not settings.two_stage(shards)
+  if chunks == 1 or one_stage_ragged:  # the ragged exchange runs its chunks in the same rounds itself
+    return exchanged(x_xD, idx_xK, weights_xK, w_eDm, valid_x, settings, shards, chunks)
+  # the chunks' exchanges are independent: XLA schedules one chunk's dispatch and combine beside another's GEMMs
+  ends = np.linspace(0, x, chunks + 1).astype(int)
+  parts = [exchanged(x_xD[a:b], idx_xK[a:b], weights_xK[a:b], w_eDm, valid_x[a:b], settings, shards)
+           for a, b in zip(ends[:-1], ends[1:])]
+  y, dropped, extra = zip(*parts)
+  return jnp.concatenate(y), sum(dropped), sum(extra)
+
+
+def exchanged(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settings: Settings, shards: int,
+              chunks: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`routed` for a shard's tokens (or one chunk of them) through the expert-parallel exchange."""
+  x, K = idx_xK.shape
+  E = w_eDm[0].shape[0] * shards
+  cap = capacity(x, K, shards, E // shards, settings.capacity_factor)
+  ragged = choice.dispatch_kind(settings.dispatch) != "fixed"
+  none = jnp.zeros((), jnp.float32)
   axes, valid_X = rules.split_axes("experts"), valid_x > 0
   if settings.two_stage(shards):
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
@@ -130,7 +158,7 @@ def routed(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settings:
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
     y_xD, kept_Kx, extra_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap, rows,
                                             matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch,
-                                            valid_X=valid_X)
+                                            valid_X=valid_X, chunks=chunks)
   else:
     y_xD, kept_Kx, extra_Kx = experts_parallel(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap,
                                      matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X)
@@ -266,7 +294,7 @@ def rounds_needed(count_PE: jax.Array, rows: int) -> jax.Array:
 def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
                             shards: int, cap: int, rows: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
                             exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None,
-                            groups: tuple[tuple[int, ...], ...] | None = None
+                            groups: tuple[tuple[int, ...], ...] | None = None, chunks: int = 1
                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Expert-parallel computation with exact sizes: counts all-gathered, `ragged_all_to_all` of the routed copies
   into R = `rows` rows grouped by local expert, grouped matmuls, `ragged_all_to_all` back, weighted combine.
@@ -275,46 +303,103 @@ def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_do
   worst-case `cap`); padding tokens' copies (valid_X false) are never sent. Where a destination receives more
   than R copies, the rest go in further rounds of R rows (`rounds_needed`, at most ⌈P·C / R⌉; each extra round
   recomputed in the backward, so memory stays at one round's): no copy is dropped for want of receive rows.
+  `chunks` (dropless only): the tokens split into that many consecutive chunks, each with its own exchanges and
+  a receive buffer of its share of R, all in the same rounds; the chunks are independent, so XLA can run one
+  chunk's dispatch or combine beside another chunk's grouped matmuls.
   `exchange` has `jax.lax.ragged_all_to_all`'s signature (tests emulate it on CPU, where XLA has none).
   `groups`: the exchange runs inside each group of devices of `axes` (axis_index_groups; `shards` = its size),
   as the second stage of `experts_two_stage` does within a node. Returns the (partial, if m < M) output [X, D],
   which copies were sent [K, X] and which went after the first round [K, X].
   """
   X, K = idx_XK.shape
-  D, e = x_XD.shape[1], w_gate_eDm.shape[0]
-  J = K * X
-  order_J, key_J, count_E = send_order(idx_XK, shards, e, cap, valid_X)
-  count_PE = jax.lax.all_gather(count_E, axes, axis_index_groups=groups).reshape(shards, shards * e)
-  me, send_JD = rank_in_group(axes, groups), x_XD[order_J % X]
-  grouped_kw = {} if groups is None else {"axis_index_groups": groups}
+  e, w_eDm = w_gate_eDm.shape[0], (w_gate_eDm, w_up_eDm, w_down_emD)
+  ends = np.linspace(0, X, chunks + 1).astype(int)
+  parts = [_Chunk.of(x_XD[a:b], idx_XK[a:b], None if valid_X is None else valid_X[a:b], shards, e,
+                     min(cap, (b - a) * min(K, e)), -(-rows * (b - a) // X)) for a, b in zip(ends[:-1], ends[1:])]
+  count_cPE = jnp.moveaxis(jax.lax.all_gather(jnp.stack([c.count_E for c in parts]), axes,
+                                              axis_index_groups=groups), 0, 1).reshape(len(parts), shards, -1)
+  me, grouped_kw = rank_in_group(axes, groups), {} if groups is None else {"axis_index_groups": groups}
+  rounds = functools.reduce(jnp.maximum, [rounds_needed(n_PE, c.rows) for n_PE, c in zip(count_cPE, parts)])
 
-  def one_round(first):
-    plan = ragged_plan(count_PE, me, rows, first)
+  def one_round(r):
+    return _overlapped_round(parts, count_cPE, me, r, w_eDm, exchange=functools.partial(
+        exchange, axis_name=axes, **grouped_kw), matmul=matmul, fp8_dispatch=fp8_dispatch)
+
+  back = one_round(0)
+  extra = max(-(-shards * c.cap // c.rows) for c in parts) - 1  # the most further rounds any routing can need
+  if extra > 0:
+    skipped = tuple(_zeros_like_round(c.send_JD, *w_eDm) for c in parts)
+    later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: skipped, r))
+    back, _ = jax.lax.scan(lambda acc, r: (jax.tree.map(jnp.add, acc, later(r)), None), back,
+                           jnp.arange(1, extra + 1))
+  out = [c.combined(back_JD, weights_XK[a:b], ragged_plan(n_PE, me, c.rows))
+         for c, back_JD, n_PE, a, b in zip(parts, back, count_cPE, ends[:-1], ends[1:])]
+  y, sent, later_sent = zip(*out)
+  return jnp.concatenate(y), jnp.concatenate(sent, 1), jnp.concatenate(later_sent, 1)
+
+
+def _overlapped_round(parts, count_cPE, me, r, w_eDm: tuple, *, exchange: Callable, matmul: str,
+                      fp8_dispatch: bool) -> tuple[jax.Array, ...]:
+  """One round of every chunk's exchange, the rows each returns at its send positions [J, D] (rows not sent this
+  round stay zero), traced in the order a schedule that hides them would run: chunk i+1's dispatch before chunk
+  i's expert GEMMs, the first chunk's combine before the last chunk's GEMMs. The chunks share no data, so XLA's
+  scheduler is free to run a collective beside another chunk's compute (one collective in flight at a time)."""
+  n = len(parts)
+  senders = [c.sender(n_PE, me, r * c.rows, exchange, fp8_dispatch) for c, n_PE in zip(parts, count_cPE)]
+  ffn = lambda i, recv_RD: expert_ffn(recv_RD, senders[i][1].group_sizes_e, *w_eDm, matmul)
+  recv, y, back = [senders[0][0][0]()], [], [None] * n
+  for i in range(n):
+    if i + 1 < n:
+      recv.append(senders[i + 1][0][0]())
+    else:
+      back[0] = senders[0][0][1](y[0]) if n > 1 else None
+    y.append(ffn(i, recv[i]))
+  back[0] = senders[0][0][1](y[0]) if n == 1 else back[0]
+  for i in range(1, n):
+    back[i] = senders[i][0][1](y[i])
+  return tuple(back)
+
+
+class _Chunk(NamedTuple):
+  """One chunk of a shard's tokens in the ragged exchange: its send buffer in expert order, the copies each
+  expert gets from it, and its receive rows a round."""
+
+  send_JD: jax.Array
+  order_J: jax.Array
+  key_J: jax.Array
+  count_E: jax.Array
+  cap: int
+  rows: int
+
+  @classmethod
+  def of(cls, x_XD, idx_XK, valid_X, shards: int, e: int, cap: int, rows: int) -> "_Chunk":
+    order_J, key_J, count_E = send_order(idx_XK, shards, e, cap, valid_X)
+    return cls(x_XD[order_J % x_XD.shape[0]], order_J, key_J, count_E, cap, rows)
+
+  def sender(self, count_PE, me, first, exchange: Callable, fp8_dispatch: bool):
+    """(dispatch, combine) of the round that receives positions [first, first + R), and its plan."""
+    plan = ragged_plan(count_PE, me, self.rows, first)
 
     def send(a, plan):
-      return exchange(a, _buffer(a, rows), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
-                      plan.recv_sizes_E, axis_name=axes, **grouped_kw)
+      return exchange(a, _buffer(a, self.rows), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
+                      plan.recv_sizes_E)
 
     def back(a, plan):
-      return exchange(a, _buffer(a, J), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
-                      plan.send_sizes_E, axis_name=axes, **grouped_kw)
+      return exchange(a, _buffer(a, self.send_JD.shape[0]), plan.recv_offsets_E, plan.recv_sizes_E,
+                      plan.back_offsets_E, plan.send_sizes_E)
 
-    recv_RD = dispatch(send, back, send_JD, plan, fp8_out=fp8_dispatch)
-    y_RD = expert_ffn(recv_RD, plan.group_sizes_e, w_gate_eDm, w_up_eDm, w_down_emD, matmul)
-    return dispatch(back, send, y_RD, plan, fp8_back=fp8_dispatch)  # rows not sent this round stay zero
+    return (lambda: dispatch(send, back, self.send_JD, plan, fp8_out=fp8_dispatch),
+            lambda y_RD: dispatch(back, send, y_RD, plan, fp8_back=fp8_dispatch)), plan
 
-  back_JD = one_round(0)
-  first_J = kept_sorted(key_J, ragged_plan(count_PE, me, rows))
-  extra = -(-shards * cap // rows) - 1  # the most further rounds any routing can need
-  if extra > 0:
-    rounds = rounds_needed(count_PE, rows)
-    later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: _zeros_like_round(send_JD, w_gate_eDm, w_up_eDm, w_down_emD), r * rows))
-    back_JD, _ = jax.lax.scan(lambda acc, r: (acc + later(r), None), back_JD, jnp.arange(1, extra + 1))
-  position_J = jnp.zeros((J,), jnp.int32).at[order_J].set(jnp.arange(J, dtype=jnp.int32))
-  weights_KX = weights_XK.T.astype(back_JD.dtype)
-  y_XD = jnp.einsum("KXD,KX->XD", back_JD[position_J].reshape(K, X, D), weights_KX)
-  sent_J = key_J < shards * e
-  return y_XD, sent_J[position_J].reshape(K, X), (sent_J & ~first_J)[position_J].reshape(K, X)
+  def combined(self, back_JD, weights_XK, plan: RaggedPlan):
+    """The chunk's weighted output [X, D], which copies were sent [K, X], and which after the first round."""
+    X, K = weights_XK.shape
+    J = K * X
+    position_J = jnp.zeros((J,), jnp.int32).at[self.order_J].set(jnp.arange(J, dtype=jnp.int32))
+    y_XD = jnp.einsum("KXD,KX->XD", back_JD[position_J].reshape(K, X, -1), weights_XK.T.astype(back_JD.dtype))
+    sent_J = self.key_J < plan.send_sizes_E.shape[0]
+    first_J = kept_sorted(self.key_J, plan)
+    return y_XD, sent_J[position_J].reshape(K, X), (sent_J & ~first_J)[position_J].reshape(K, X)
 
 
 def rank_in_group(axes: tuple[str, ...], groups) -> jax.Array:
@@ -486,13 +571,16 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
     return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
             f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
   recv = receive_rows(x, K, P, cap, m.moe_recv_factor)
+  chunks = Settings.from_config(m, node).chunk_count(x, where or choice.platform())
+  split = (f"; each device's {x} tokens in {chunks} chunks with their own exchanges, so one chunk's dispatch "
+           f"and combine can run beside another's expert GEMMs (model.moe_overlap_chunks)") if chunks > 1 else ""
   if Settings.from_config(m, node).two_stage(P, where):
     return (f"MoE dispatch: two-stage (node-limited) over expert={P} as {P // node} nodes × {node}: each token's "
             f"row crosses to a node at most once (≤ {min(K, P // node)} rows a token instead of its {K} copies), "
             f"then fans out within the node into a receive buffer of {recv} rows a round (further rounds past it, "
             f"none dropped); the node's sums come back one row per token and node; {rows}, results back in "
-            f"{t.compute_dtype}")
+            f"{t.compute_dtype}{split}")
   return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
           f"into a receive buffer of {recv} rows a round (model.moe_recv_factor={m.moe_recv_factor:g}: one round "
           f"from {min(P, m.n_routed_experts / K):g}, further rounds past it, none dropped); {rows}, results back in "
-          f"{t.compute_dtype}")
+          f"{t.compute_dtype}{split}")
