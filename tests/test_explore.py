@@ -429,7 +429,8 @@ def test_ragged_dispatch_bytes_equal_a_hand_count():
   backward sends the results' gradients to the experts as float8 rows too and gets the rows' gradients back in
   float32; before the forward each device all-gathers the 8 experts' counts of the 3 others. 2 MoE layers. Of
   the copies that leave, 1/3 go to the one other shard of the node."""
-  cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn")
+  cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn",
+                    "model.moe_dispatch=ragged")  # one stage (auto would take two: the axis spans 2 nodes)
   hw = explore.hardware("h100-80g", devices_per_node=2)
   plan = explore.plan(explore.describe(cfg), sizes_of("e4d2"), hw)
   leaving, row_fp8, row_f32 = 96 * 3 // 4, 40 + 4, 40 * 4
@@ -444,6 +445,51 @@ def test_ragged_dispatch_bytes_equal_a_hand_count():
                   ("all-gather", "inter-node"): 2 * 96}
   buffers = {r["name"]: r["shape"] for r in plan["activations"] if r["scope"] == "moe"}
   assert buffers["rows received (float8 + scales)"] == [192, 44] and buffers["results returned"] == [96, 40]
+
+
+def test_two_stage_dispatch_bytes_equal_a_hand_count():
+  """The same layout with auto dispatch, which is two-stage there (the expert axis spans 2 nodes of 2 shards).
+  Across nodes, per MoE layer: each of the x = 48 tokens' rows goes to the c other nodes its experts are on
+  (comm.nodes_reached) — in the forward as a float8 row with K = 2 expert ids and gate weights (2K float32) out
+  and its float32 sum back, in the backward the sum's gradient out and the row's gradient back (float32) with the
+  weights' gradients. Within the node half of the K·x copies go to the other shard, out as float8 rows and back
+  in float32, forward and backward. The counts: 2 nodes' counts across, 2 shards × 2 experts within."""
+  from jaxseek.explore import comm
+
+  cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn")
+  hw = explore.hardware("h100-80g", devices_per_node=2)
+  plan = explore.plan(explore.describe(cfg), sizes_of("e4d2"), hw)
+  x, K, row_fp8, row_f32, meta = 48, 2, 40 + 4, 40 * 4, 2 * 2 * 4
+  c = comm.nodes_reached(cfg, 4, 2)
+  inter = x * c * ((row_fp8 + meta + row_f32) + (2 * row_f32 + meta))
+  intra = 2 * x * K / 2 * (row_fp8 + row_f32)
+  counts = (1 * 2 + 1 * 2 * 2) * 4
+  dispatch = plan["expert_dispatch"]
+  assert dispatch["kind"] == "two_stage" and 0 < c <= dispatch["inter_node_sends_per_token_one_per_node_max"] == 1
+  assert dispatch["bytes_inter_node"] == pytest.approx(2 * inter)
+  assert dispatch["bytes_total"] == pytest.approx(2 * (inter + intra + counts))
+  rows = {c["link"]: c["bytes_per_device"] for c in plan["communication"]["expert"]
+          if c["collective"] == "ragged-all-to-all"}
+  assert rows == pytest.approx({"inter-node": 2 * inter, "intra-node": 2 * intra}, abs=1)  # whole bytes
+  one = explore.plan(explore.describe(load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch=ragged",
+                                                  "model.moe_dispatch_dtype=float8_e4m3fn")), sizes_of("e4d2"), hw)
+  assert dispatch["bytes_inter_node"] < one["expert_dispatch"]["bytes_inter_node"]
+
+
+def test_nodes_a_token_reaches_match_the_closed_form():
+  """comm.nodes_reached against the exact expectation. DeepSeek-V3 on 64 shards, 8 to a node: a group's 32
+  experts fill one node, a token picks 4 of the 8 nodes and 8 of their 128 experts; a chosen node is missed with
+  q = C(96, 8) / C(128, 8); the token's own node is one of the 4 with probability 1/2, so it reaches
+  4(1 − q) − (1 − q)/2 others. Greedy routing: 8 of 256 experts on 8 nodes of 32, q = C(224, 8) / C(256, 8),
+  8(1 − q) − (1 − q) others."""
+  from jaxseek.explore import comm
+
+  cfg = load_config("deepseek-v3-671b")
+  q = math.comb(96, 8) / math.comb(128, 8)
+  assert comm.nodes_reached(cfg, 64, 8) == pytest.approx(3.5 * (1 - q), abs=0.03)
+  greedy = load_config("deepseek-v3-671b", "model.topk_method=greedy")
+  q = math.comb(224, 8) / math.comb(256, 8)
+  assert comm.nodes_reached(greedy, 64, 8) == pytest.approx(7 * (1 - q), abs=0.03)
 
 
 def test_gradient_sums_on_gradsum_axes_run_once_per_step():

@@ -17,7 +17,12 @@ all-gather or reduce-scatter moves (n−1)/n of the whole, an all-reduce twice t
             ragged, an all_gather of the copy counts per expert, then ragged_all_to_all of the x·K token copies
             out (the dispatch dtype; the backward's in the compute dtype) and back (compute dtype). Of the copies 1/P
             stay on the device, (g − 1)/P go to the g − 1 other shards of its node (NVLink), (P − g)/P cross
-            nodes, with g = the expert shards one node holds (balanced routing)
+            nodes, with g = the expert shards one node holds (balanced routing). Two-stage (node-limited:
+            model.moe_dispatch two_stage, or auto where the axis spans nodes): a token's row crosses to each
+            other node its experts are on, once, with its expert ids and gate weights (2K float32); the node's
+            weighted sum comes back once (`nodes_reached`: the expected count under uniform routing, bounded
+            by the nodes group-limited routing lets a token reach); within the node each copy goes to its
+            expert's shard ((g − 1)/g of the K copies leave the device), as in the one-stage exchange
   context   all-gather of the keys and values per layer and pass (their gradients reduce-scattered)
   pipeline  collective-permute of a microbatch's x[B/M, T, D] to the next stage and of its gradient back, per
             tick of each pipelined stack (ticks = R·M + S − 1). GPipe and circular: entering the schedule
@@ -44,7 +49,7 @@ from typing import Any
 from jaxseek.config import MESH_AXES
 from jaxseek.explore import layout as ex
 from jaxseek.explore import memory as em
-from jaxseek.sharding import compression, gradsum
+from jaxseek.sharding import compression, experts, gradsum
 
 BATCH_AXES = ("data", "fsdp", "expert", "context")
 
@@ -321,6 +326,8 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
     n = runs * layers
     forward = group_passes - 1  # forward passes (and recomputations), then one backward
     t["runs"] += n
+    t["fwd_tokens"] = t.get("fwd_tokens", 0.0) + n * forward * d.tokens  # token rows through forward passes
+    t["bwd_tokens"] = t.get("bwd_tokens", 0.0) + n * d.tokens
     # towards the experts in the dispatch dtype: the rows in each forward, the results' gradients in the backward
     # (moe.dispatch's fp8_out and fp8_back); back from them in the compute dtype: results, the rows' gradients
     t["out"] += n * group_passes * d.sent * leave * d.out_row_bytes
@@ -336,7 +343,7 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
     return None
   roles = [r for r in ("first", "last") if r in side]
   heavier = max(roles, key=lambda r: side[r]["out"] + side[r]["back"]) if roles else None
-  pick = lambda k: side.get("all", {}).get(k, 0.0) + (side[heavier][k] if heavier else 0.0)
+  pick = lambda k: side.get("all", {}).get(k, 0.0) + (side[heavier].get(k, 0.0) if heavier else 0.0)
   g = shards_per_node(sizes, hw)
   nodes = max(1, P // g)
   limit = m.moe_max_expert_shards
@@ -345,8 +352,13 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
   groups = group_reach(cfg, P, g)
   if groups:
     reach, node_reach = min(reach, groups[0]), min(node_reach, groups[1])
+  two = first.kind == "ragged" and experts.Settings.from_config(m, g if nodes > 1 else None).two_stage(P, platform)
+  crossing = nodes_reached(cfg, P, g) if two else K * (P - g) / P
+  if two:
+    _two_stage_bytes(side, first, K, g, crossing)
   total = pick("out") + pick("back") + pick("counts")
-  return {"kind": first.kind, "dispatch_dtype": first.dtype, "shards": P, "local_experts": first.local_experts,
+  inter = pick("inter") if two else (pick("out") + pick("back")) * (P - g) / max(P - 1, 1)
+  return {"kind": "two_stage" if two else first.kind, "dispatch_dtype": first.dtype, "shards": P, "local_experts": first.local_experts,
           "tokens_per_run": first.tokens, "rows_sent": first.sent, "rows_received": first.received,
           "layer_runs": pick("runs"), "collectives": pick("ops"), "count_exchanges": pick("count_ops"),
           "bytes_out": pick("out"), "bytes_back": pick("back"), "bytes_counts": pick("counts"),
@@ -356,9 +368,53 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
           "share_on_device": 1 / P, "share_intra_node": (g - 1) / P, "share_inter_node": (P - g) / P,
           "max_expert_shards": limit, "shards_per_token_max": reach, "nodes_per_token_max": node_reach,
           "group_limited": bool(groups), "inter_node_copies_per_token": K * (P - g) / P,
+          "inter_node_rows_per_token": crossing, "bytes_inter_node": inter,
+          "bytes_intra_node": pick("out") + pick("back") - inter, "collectives_inter_node": pick("inter_ops" if two else "ops"),
           # the two-stage dispatch (a token once per node it reaches, fanned out there: DeepSeek's) crosses nodes
           # at most this often per token; the figures above time the one-stage exchange (every copy)
           "inter_node_sends_per_token_one_per_node_max": min(node_reach, nodes - 1)}
+
+
+def _two_stage_bytes(side: dict[str, dict[str, float]], d, K: int, g: int, crossing: float) -> None:
+  """Rewrites each role's one-stage bytes (every copy sent) as the two-stage exchange's. Across nodes, per token
+  and other node reached (`crossing` a token): in each forward pass its row in the dispatch dtype with 2K float32
+  of expert ids and gate weights out, the weighted sum back in the compute dtype; in the backward the sum's
+  gradient out and the row's back (compute dtype) with the weights' gradients. Within the node: the K copies,
+  (g − 1)/g of them to another device, as the one-stage exchange sends them."""
+  meta = 2 * K * 4
+  for t in side.values():
+    if not t["runs"]:
+      continue
+    fwd, bwd = t["fwd_tokens"] * crossing, t["bwd_tokens"] * crossing
+    t["inter"] = fwd * (d.out_row_bytes + meta + d.back_row_bytes) + bwd * (2 * d.back_row_bytes + meta)
+    t["inter_ops"] = t["ops"] / 2 * 3  # per pass: the rows, their ids and weights, the sums back
+    nodes, count_rounds = d.shards // g, t["count_ops"]  # the counts: per node across nodes, per expert within
+    t["counts"] = count_rounds * ((nodes - 1) * nodes + (g - 1) * g * d.local_experts) * 4
+    within = (t["fwd_tokens"] + t["bwd_tokens"]) * K * (g - 1) / g
+    t["out"], t["back"] = within * d.out_row_bytes + t["inter"] / 2, within * d.back_row_bytes + t["inter"] / 2
+
+
+def nodes_reached(cfg, P: int, g: int, samples: int = 8192) -> float:
+  """The other nodes a token's experts lie on, on average under uniform routing (seeded sampling): K experts
+  among the `topk_group` groups a token picks under group-limited routing (uniformly among all experts
+  without it), experts laid out in order on P shards of g to a node, the token on a uniformly drawn node."""
+  import numpy as np
+
+  m = cfg.model
+  E, K, nodes = m.n_routed_experts, m.num_experts_per_tok, max(1, P // g)
+  rng = np.random.default_rng(0)
+  if m.topk_method != "greedy" and m.n_group > 1:
+    per_group = E // m.n_group
+    picked = np.argsort(rng.random((samples, m.n_group)), axis=1)[:, :m.topk_group]
+    pool = (picked[:, :, None] * per_group + np.arange(per_group)).reshape(samples, -1)
+  else:
+    pool = np.broadcast_to(np.arange(E), (samples, E))
+  chosen = np.take_along_axis(pool, np.argsort(rng.random(pool.shape), axis=1)[:, :K], axis=1)
+  node_SK = chosen // -(-E // P) // g
+  reached = np.zeros((samples, nodes), bool)
+  np.put_along_axis(reached, node_SK, True, axis=1)
+  own = rng.integers(0, nodes, samples)
+  return float((reached.sum(1) - reached[np.arange(samples), own]).mean())
 
 
 def group_reach(cfg, P: int, g: int) -> tuple[int, int] | None:
@@ -445,8 +501,17 @@ def _activations(cfg, sizes, hw, micro, passes, platform="gpu"):
 def _expert_items(x: dict[str, Any]) -> list[tuple]:
   """The expert axis's exchange as rows: its cross-node and its in-node part (each at its link's speed)."""
   P, g = x["shards"], x["shards_per_node"]
-  moved = x["bytes_out"] + x["bytes_back"]
-  inter, intra = moved * (P - g) / (P - 1), moved * (g - 1) / (P - 1)
+  inter, intra = x["bytes_inter_node"], x["bytes_intra_node"]
+  if x["kind"] == "two_stage":
+    items = [("expert", "ragged-all-to-all", f"MoE two-stage dispatch, across nodes: a token's row once per other "
+              f"node its experts are on ({x['inter_node_rows_per_token']:.2f} a token), out ({x['dispatch_dtype']}, "
+              f"with 2K float32 of ids and weights) and its sum back", x["collectives_inter_node"], inter,
+              "inter-node"),
+             ("expert", "ragged-all-to-all", f"MoE two-stage dispatch, within the node: the copies to their experts' "
+              f"shards, out ({x['dispatch_dtype']}) and back; received into {x['rows_received']:,} rows",
+              x["collectives"], intra, "intra-node")]
+    return items + [("expert", "all-gather", "copies per expert before each dispatch [E] int32",
+                     x["count_exchanges"], x["bytes_counts"], "inter-node")] * bool(x["bytes_counts"])
   if x["kind"] == "fixed":
     kind, what = "all-to-all", "MoE dispatch buffers [P·C, D], out and back"
   else:

@@ -151,19 +151,24 @@ def compression_line(g: dict[str, Any]) -> str:
 def expert_line(x: dict[str, Any]) -> str:
   """The expert dispatch in one paragraph: rows, where the copies go, what the shard limit bounds."""
   P, g = x["shards"], x["shards_per_node"]
-  rows = (f"{x['rows_sent']:,} token copies sent, {x['rows_received']:,} rows received" if x["kind"] == "ragged"
-          else f"{x['rows_sent']:,} buffer rows out and back")
+  rows = (f"{x['rows_sent']:,} buffer rows out and back" if x["kind"] == "fixed"
+          else f"{x['rows_sent']:,} token copies sent, {x['rows_received']:,} rows received")
   limit = x["max_expert_shards"]
   by = [f"model.moe_max_expert_shards={limit}"] * bool(limit) + ["group-limited routing"] * x.get("group_limited", 0)
   bound = (f"{' and '.join(by)}: a token reaches at most {x['shards_per_token_max']} shards on "
            f"{x['nodes_per_token_max']} nodes" if by else "no shard limit")
+  if x["kind"] == "two_stage":
+    crossing = (f"two stages: a token's row crosses to {x['inter_node_rows_per_token']:.2f} other nodes on average "
+                f"under uniform routing (at most {x['inter_node_sends_per_token_one_per_node_max']}), where the one-stage "
+                f"exchange sends {x['inter_node_copies_per_token']:.2f} of its copies across")
+  else:
+    crossing = (f"one stage, every copy sent: {x['inter_node_copies_per_token']:.2f} of a token's copies cross nodes "
+                f"(a two-stage dispatch would send at most {x['inter_node_sends_per_token_one_per_node_max']} a token)")
   return (f"expert dispatch ({x['kind']}, {x['dispatch_dtype']} out): {rows} per MoE layer run; of the copies "
           f"{100 * x['share_on_device']:.1f}% stay on the device, {100 * x['share_intra_node']:.1f}% go to the "
           f"{g - 1} other shards of its node, {100 * x['share_inter_node']:.1f}% cross nodes ({x['nodes']} nodes of "
-          f"{g} shards); {bound}; timed as one stage, every copy sent: {x['inter_node_copies_per_token']:.2f} of a "
-          f"token's copies cross nodes (the two-stage dispatch sends at most "
-          f"{x['inter_node_sends_per_token_one_per_node_max']} a token); {human(x['bytes_total'])} per step = "
-          f"{x['vs_ideal']:.2f} × the ideal ({human(x['ideal_bytes'])})")
+          f"{g} shards); {bound}; {crossing}; {human(x['bytes_total'])} per step ({human(x['bytes_inter_node'])} "
+          f"across nodes) = {x['vs_ideal']:.2f} × the ideal of one stage ({human(x['ideal_bytes'])})")
 
 
 def print_overlap(overlap: dict[str, Any], out: Console) -> None:
