@@ -312,33 +312,8 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
   m = cfg.model
   if not m.is_moe:
     return None
-  P, K, D, micro = sizes["expert"], m.num_experts_per_tok, m.hidden_size, cfg.train.microbatches
-  passes = 3 if cfg.train.remat == "full" else 2
-  leave = (P - 1) / P
-  side: dict[str, dict[str, float]] = {}
-  first = None
-  for layers, runs, batch, where, moe, group_passes, role in _layer_runs(cfg, sizes, micro, passes):
-    if not moe:
-      continue
-    d = em.dispatch(cfg, where, batch, platform)
-    first = first or d
-    t = side.setdefault(role, dict.fromkeys(("out", "back", "counts", "count_ops", "ops", "ideal", "runs"), 0.0))
-    n = runs * layers
-    forward = group_passes - 1  # forward passes (and recomputations), then one backward
-    t["runs"] += n
-    t["fwd_tokens"] = t.get("fwd_tokens", 0.0) + n * forward * d.tokens  # token rows through forward passes
-    t["bwd_tokens"] = t.get("bwd_tokens", 0.0) + n * d.tokens
-    # towards the experts in the dispatch dtype: the rows in each forward, the results' gradients in the backward
-    # (moe.dispatch's fp8_out and fp8_back); back from them in the compute dtype: results, the rows' gradients
-    t["out"] += n * group_passes * d.sent * leave * d.out_row_bytes
-    t["back"] += n * group_passes * d.sent * leave * d.back_row_bytes
-    t["ideal"] += n * group_passes * d.tokens * K * leave * (em.packed_row_bytes(D) + 2 * D)
-    if d.kind == "fixed":
-      t["ops"] += n * group_passes * 2 + n * forward  # rows out and back, and the ids
-    else:
-      t["counts"] += n * forward * (P - 1) * P * d.local_experts * 4  # all_gather of every shard's E counts
-      t["count_ops"] += n * forward
-      t["ops"] += n * group_passes * 2
+  P, K = sizes["expert"], m.num_experts_per_tok
+  side, first = _exchange_sides(cfg, sizes, platform)
   if first is None:
     return None
   roles = [r for r in ("first", "last") if r in side]
@@ -358,7 +333,8 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
     _two_stage_bytes(side, first, K, g, crossing)
   total = pick("out") + pick("back") + pick("counts")
   inter = pick("inter") if two else (pick("out") + pick("back")) * (P - g) / max(P - 1, 1)
-  return {"kind": "two_stage" if two else first.kind, "dispatch_dtype": first.dtype, "shards": P, "local_experts": first.local_experts,
+  return {"kind": "two_stage" if two else first.kind, "dispatch_dtype": first.dtype, "shards": P,
+          "local_experts": first.local_experts,
           "tokens_per_run": first.tokens, "rows_sent": first.sent, "rows_received": first.received,
           "layer_runs": pick("runs"), "collectives": pick("ops"), "count_exchanges": pick("count_ops"),
           "bytes_out": pick("out"), "bytes_back": pick("back"), "bytes_counts": pick("counts"),
@@ -369,10 +345,46 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
           "max_expert_shards": limit, "shards_per_token_max": reach, "nodes_per_token_max": node_reach,
           "group_limited": bool(groups), "inter_node_copies_per_token": K * (P - g) / P,
           "inter_node_rows_per_token": crossing, "bytes_inter_node": inter,
-          "bytes_intra_node": pick("out") + pick("back") - inter, "collectives_inter_node": pick("inter_ops" if two else "ops"),
+          "bytes_intra_node": pick("out") + pick("back") - inter,
+          "collectives_inter_node": pick("inter_ops" if two else "ops"),
           # the two-stage dispatch (a token once per node it reaches, fanned out there: DeepSeek's) crosses nodes
           # at most this often per token; the figures above time the one-stage exchange (every copy)
           "inter_node_sends_per_token_one_per_node_max": min(node_reach, nodes - 1)}
+
+
+def _exchange_sides(cfg, sizes: dict[str, int], platform: str) -> tuple[dict[str, dict[str, float]], Any]:
+  """The one-stage exchange's rows, bytes and ops per role (the stage that runs the layers: all, first, last),
+  and the first MoE layer run's dispatch (None without one)."""
+  m = cfg.model
+  P, K, D, micro = sizes["expert"], m.num_experts_per_tok, m.hidden_size, cfg.train.microbatches
+  passes = 3 if cfg.train.remat == "full" else 2
+  leave = (P - 1) / P
+  side: dict[str, dict[str, float]] = {}
+  first = None
+  for layers, runs, batch, where, moe, group_passes, role in _layer_runs(cfg, sizes, micro, passes):
+    if not moe:
+      continue
+    d = em.dispatch(cfg, where, batch, platform)
+    first = first or d
+    t = side.setdefault(role, dict.fromkeys(("out", "back", "counts", "count_ops", "ops", "ideal", "runs",
+                                             "fwd_tokens", "bwd_tokens"), 0.0))
+    n = runs * layers
+    forward = group_passes - 1  # forward passes (and recomputations), then one backward
+    t["runs"] += n
+    t["fwd_tokens"] += n * forward * d.tokens  # token rows through forward passes
+    t["bwd_tokens"] += n * d.tokens
+    # towards the experts in the dispatch dtype: the rows in each forward, the results' gradients in the backward
+    # (moe.dispatch's fp8_out and fp8_back); back from them in the compute dtype: results, the rows' gradients
+    t["out"] += n * group_passes * d.sent * leave * d.out_row_bytes
+    t["back"] += n * group_passes * d.sent * leave * d.back_row_bytes
+    t["ideal"] += n * group_passes * d.tokens * K * leave * (em.packed_row_bytes(D) + 2 * D)
+    if d.kind == "fixed":
+      t["ops"] += n * group_passes * 2 + n * forward  # rows out and back, and the ids
+    else:
+      t["counts"] += n * forward * (P - 1) * P * d.local_experts * 4  # all_gather of every shard's E counts
+      t["count_ops"] += n * forward
+      t["ops"] += n * group_passes * 2
+  return side, first
 
 
 def _two_stage_bytes(side: dict[str, dict[str, float]], d, K: int, g: int, crossing: float) -> None:

@@ -465,13 +465,51 @@ def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, .
   ids_RK = jax.lax.stop_gradient(meta_RK2[:, :K]).astype(jnp.int32)
   valid_RK = ids_RK >= 0  # rows past what arrived hold zeros: id 0, weight 0, and are left out here
   valid_RK = valid_RK & (jnp.arange(N * X) < plan.group_sizes_e.sum())[:, None]
-  cap = capacity(N * X, K, node, e, None)
-  y_RD, _, extra_KR = experts_parallel_ragged(
-      recv_RD, jnp.where(valid_RK, ids_RK, 0), meta_RK2[:, K:], *w_eDm, axes, node, cap, rows, matmul=matmul,
-      fp8_dispatch=fp8_dispatch, exchange=exchange, valid_X=valid_RK, groups=within)
+  y_RD, extra = _within_node(recv_RD, jnp.where(valid_RK, ids_RK, 0), meta_RK2[:, K:], valid_RK, w_eDm, axes,
+                             node, rows, within, matmul=matmul, fp8_dispatch=fp8_dispatch, exchange=exchange)
   back_SD = dispatch(back, send, y_RD, plan)  # one row per token and node, in the compute dtype
   y_XD = jnp.zeros_like(x_XD).at[token_S].add(jnp.where((key_S[order_S] < N)[:, None], back_SD, 0))
-  return y_XD, extra_KR.astype(jnp.float32).sum()
+  return y_XD, extra
+
+
+def _within_node(recv_RD, ids_RK, weights_RK, valid_RK, w_eDm: tuple, axes: tuple[str, ...], node: int,
+                 rows: int, within, **kw) -> tuple[jax.Array, jax.Array]:
+  """Stage 2 of `experts_two_stage`: the weighted sum of each received row's expert outputs on this node [R, D]
+  and the copies sent after the first round []. The valid copies (row r, its k-th expert here) go through
+  `experts_parallel_ragged` among the node's devices in windows of W = min(R·K, `rows`) copies, one copy a
+  token: memory follows the W copies of one window, not the R·K a node could receive in the worst case.
+  Further windows run (recomputed in the backward, as further rounds are) only while some device of the axis
+  has copies left; their copies count as sent after the first round."""
+  R, K = ids_RK.shape
+  W, e = min(R * K, rows), w_eDm[0].shape[0]
+  valid_C = valid_RK.reshape(-1)
+  order_C = jnp.argsort(~valid_C, stable=True)  # the valid copies first, in row order
+  have = valid_C.sum()
+  windows = jnp.maximum(-(-jax.lax.all_gather(have, axes).max() // W), 1)  # the same on every device of the axis
+
+  def window(w):
+    position_W = w * W + jnp.arange(W)
+    copy_W = order_C[jnp.minimum(position_W, R * K - 1)]
+    live_W = (position_W < have) & valid_C[copy_W]
+    y_WD, _, extra_1W = experts_parallel_ragged(
+        recv_RD[copy_W // K], ids_RK.reshape(-1)[copy_W, None], weights_RK.reshape(-1)[copy_W, None], *w_eDm, axes,
+        node, capacity(W, 1, node, e, None), rows, valid_X=live_W, groups=within, **kw)
+    y_RD = jnp.zeros_like(recv_RD, dtype=y_WD.dtype).at[copy_W // K].add(jnp.where(live_W[:, None], y_WD, 0))
+    return y_RD, extra_1W.astype(jnp.float32).sum()
+
+  y_RD, extra = window(0)
+  if -(-R * K // W) > 1:
+    skip = lambda _: (jnp.zeros_like(y_RD) + grouped.varying_zero(recv_RD, *w_eDm).astype(y_RD.dtype),
+                      jnp.zeros((), jnp.float32))
+    later = jax.checkpoint(lambda w: jax.lax.cond(w < windows, window, skip, w))
+
+    def step(acc, w):
+      y, n = later(w)
+      return (acc[0] + y, acc[1] + n), None
+
+    (y_RD, extra), _ = jax.lax.scan(step, (y_RD, extra), jnp.arange(1, -(-R * K // W)))
+    extra = extra + jnp.maximum(have - W, 0).astype(jnp.float32)
+  return y_RD, extra
 
 
 def send_order(idx_XK: jax.Array, shards: int, local_experts: int, cap: int, valid_X: jax.Array | None = None
