@@ -80,11 +80,11 @@ class ModelConfig:
   # twice its balanced share, in 2 / min(P, E/K) of the worst-case buffer (bench-v3-1b on expert=8: 8192 rows
   # instead of 32,768).
   moe_recv_factor: float = 2.0
-  # Dropless dispatch splits each token shard into this many chunks with independent exchanges, so XLA runs one
-  # chunk's dispatch and combine beside another chunk's expert GEMMs (and the shared experts beside the first
-  # dispatch and the last combine). null = auto: 2 on GPU and TPU, 1 on CPU (its collectives do not run beside
-  # compute). Results are the same for any count; with a capacity factor it is 1 (capacity holds per exchange).
-  moe_overlap_chunks: int | None = None
+  # Dropless dispatch splits each token shard into this many chunks with independent exchanges, so that XLA may
+  # run one chunk's dispatch and combine beside another chunk's expert GEMMs. Results are the same for any count;
+  # with a capacity factor it is 1 (capacity holds per exchange). Default 1: compiled for 8 H200s, XLA's
+  # scheduler overlaps less of the exchange with 2 chunks than with 1 (docs/moe.md, "Chunks beside each other").
+  moe_overlap_chunks: int = 1
   # The dispatched rows' dtype: null = the compute dtype; float8_e4m3fn sends each row as e4m3 with a float32
   # scale per 128 channels (dequantised on arrival); the results come back in the compute dtype.
   moe_dispatch_dtype: Literal["float8_e4m3fn"] | None = None
@@ -558,9 +558,9 @@ def _check_model(cfg: Config, model_only: bool) -> None:
                     f"dropless dispatch")
   if m.moe_max_expert_shards is not None and m.moe_max_expert_shards < 1:
     raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} must be ≥ 1, or null")
-  if m.moe_overlap_chunks is not None and m.moe_overlap_chunks < 1:
-    raise UserError(f"config key model.moe_overlap_chunks: {m.moe_overlap_chunks} must be ≥ 1, or null for auto "
-                    f"(2 on GPU and TPU, 1 on CPU)")
+  if m.moe_overlap_chunks < 1:
+    raise UserError(f"config key model.moe_overlap_chunks: {m.moe_overlap_chunks} must be ≥ 1 (1: one exchange "
+                    f"per MoE layer run)")
   if m.moe_recv_factor <= 0:
     raise UserError(f"config key model.moe_recv_factor: {m.moe_recv_factor} must be > 0 (receive rows as a multiple "
                     f"of K × local tokens; min(mesh.expert, n_routed_experts / num_experts_per_tok) is dropless)")

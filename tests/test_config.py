@@ -66,7 +66,7 @@ BAD_INPUT = [
     (["model.moe_dispatch=ragged"], "model.moe_dispatch: ragged needs ragged-all-to-all, which XLA does not "
      "implement on cpu", "use auto or fixed"),
     (["model.moe_recv_factor=0"], "config key model.moe_recv_factor: 0.0 must be > 0", "dropless"),
-    (["model.moe_overlap_chunks=0"], "config key model.moe_overlap_chunks: 0 must be ≥ 1", "auto"),
+    (["model.moe_overlap_chunks=0"], "config key model.moe_overlap_chunks: 0 must be ≥ 1", "one exchange"),
     (["model.moe_dispatch_dtype=float16"], "config key model.moe_dispatch_dtype: 'float16' is not one of",
      "'float8_e4m3fn'"),
     # the eval section

@@ -599,6 +599,46 @@ def test_overlap_of_async_collectives_in_a_scheduled_module():
                  "collective-permute": (3, 3, 0, 0)}
 
 
+def test_overlap_counts_the_collectives_outside_conditional_branches_apart():
+  """An all-gather that always runs, with a fusion beside it, and one inside a conditional's branch with nothing
+  beside it (a further round that runs only under skew): both count in the ops and bytes, only the first in
+  what always runs, so 100% of the always-run bytes overlap and 50% of all."""
+  from jaxseek.explore import overlap
+
+  hlo = """HloModule m, is_scheduled=true
+
+%fused_add (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %add = f32[8]{0} add(%p0, %p0)
+}
+
+%round (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %s = (f32[4]{0}, f32[8]{0}) all-gather-start(%x), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  ROOT %d = f32[8]{0} all-gather-done(%s)
+}
+
+%skip (y: f32[8]) -> f32[8] {
+  ROOT %y = f32[8]{0} parameter(0)
+}
+
+ENTRY %main (x: f32[8], p: pred[]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %p = pred[] parameter(1)
+  %s = (f32[4]{0}, f32[8]{0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add
+  %d = f32[8]{0} all-gather-done(%s)
+  ROOT %c = f32[8]{0} conditional(%p, %d, %f), true_computation=%round, false_computation=%skip
+}
+"""
+  row = overlap.overlap(hlo)["all-gather"]
+  assert (row["ops"], row["overlapped"], row["bytes"], row["always_bytes"]) == (2, 1, 64, 32)
+  assert row["always_overlapped_bytes"] == row["overlapped_bytes"] == 32
+  est = overlap.beside_estimate({"all-gather": row}, {"x": [{"collective": "all-gather", "time_s": 2.0}]}, 10.0)
+  assert est["kinds"]["all-gather"]["overlapped_share"] == 0.5
+  assert est["step_if_overlap_hidden_s"] == 8.0  # the always-run share (all of it) of the 2 s hidden
+
+
 def test_collective_bytes_weigh_loop_bodies_by_their_trip_count():
   """The same module: per step, 3 all-gathers of f32[8] (the start's output element, not its operand), 3
   all-reduces in the loop and 1 after it, 3 wrapped all-to-alls, over devices {0, 1} (the `pipeline` axis of a

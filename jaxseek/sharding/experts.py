@@ -61,7 +61,7 @@ class Settings:
   recv_factor: float = 2.0
   fp8_dispatch: bool = False
   node: int | None = None  # expert shards per node where the expert axis spans nodes (None: one node)
-  chunks: int | None = None  # model.moe_overlap_chunks (None: auto)
+  chunks: int = 1  # model.moe_overlap_chunks
 
   @classmethod
   def from_config(cls, cfg: ModelConfig, node: int | None = None) -> "Settings":
@@ -71,12 +71,10 @@ class Settings:
     return cls(cfg.moe_capacity_factor, cfg.moe_matmul, cfg.moe_dispatch, cfg.moe_recv_factor,
                cfg.moe_dispatch_dtype == "float8_e4m3fn", node, cfg.moe_overlap_chunks)
 
-  def chunk_count(self, tokens: int, where: str | None = None) -> int:
-    """How many independent exchanges a shard's `tokens` go through: model.moe_overlap_chunks (auto: 2 on GPU
-    and TPU, where collectives run beside compute; 1 on CPU), only for dropless dispatch (a capacity applies
-    per exchange: chunks would drop other copies) and at most one per token."""
-    n = self.chunks or (2 if (where or choice.platform()) in ("gpu", "tpu") else 1)
-    return max(1, min(n, tokens)) if self.capacity_factor is None else 1
+  def chunk_count(self, tokens: int) -> int:
+    """How many independent exchanges a shard's `tokens` go through: model.moe_overlap_chunks, only for dropless
+    dispatch (a capacity applies per exchange: chunks would drop other copies) and at most one per token."""
+    return max(1, min(self.chunks, tokens)) if self.capacity_factor is None else 1
 
   def two_stage(self, shards: int, where: str | None = None) -> bool:
     """Whether token copies go by the node-limited two-stage exchange on `shards` expert shards: ragged dispatch
@@ -609,7 +607,7 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
     return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
             f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
   recv = receive_rows(x, K, P, cap, m.moe_recv_factor)
-  chunks = Settings.from_config(m, node).chunk_count(x, where or choice.platform())
+  chunks = Settings.from_config(m, node).chunk_count(x)
   split = (f"; each device's {x} tokens in {chunks} chunks with their own exchanges, so one chunk's dispatch "
            f"and combine can run beside another's expert GEMMs (model.moe_overlap_chunks)") if chunks > 1 else ""
   if Settings.from_config(m, node).two_stage(P, where):
