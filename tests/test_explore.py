@@ -430,7 +430,7 @@ def test_ragged_dispatch_bytes_equal_a_hand_count():
   float32; before the forward each device all-gathers the 8 experts' counts of the 3 others. 2 MoE layers. Of
   the copies that leave, 1/3 go to the one other shard of the node."""
   cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn",
-                    "model.moe_dispatch=ragged")  # one stage (auto would take two: the axis spans 2 nodes)
+                    "model.moe_dispatch=ragged")
   hw = explore.hardware("h100-80g", devices_per_node=2)
   plan = explore.plan(explore.describe(cfg), sizes_of("e4d2"), hw)
   leaving, row_fp8, row_f32 = 96 * 3 // 4, 40 + 4, 40 * 4
@@ -448,7 +448,7 @@ def test_ragged_dispatch_bytes_equal_a_hand_count():
 
 
 def test_two_stage_dispatch_bytes_equal_a_hand_count():
-  """The same layout with auto dispatch, which is two-stage there (the expert axis spans 2 nodes of 2 shards).
+  """The same layout with model.moe_dispatch=two_stage (the expert axis spans 2 nodes of 2 shards).
   Across nodes, per MoE layer: each of the x = 48 tokens' rows goes to the c other nodes its experts are on
   (comm.nodes_reached) — in the forward as a float8 row with K = 2 expert ids and gate weights (2K float32) out
   and its float32 sum back, in the backward the sum's gradient out and the row's gradient back (float32) with the
@@ -456,7 +456,8 @@ def test_two_stage_dispatch_bytes_equal_a_hand_count():
   in float32, forward and backward. The counts: 2 nodes' counts across, 2 shards × 2 experts within."""
   from jaxseek.explore import comm
 
-  cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn")
+  cfg = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn",
+                    "model.moe_dispatch=two_stage")
   hw = explore.hardware("h100-80g", devices_per_node=2)
   plan = explore.plan(explore.describe(cfg), sizes_of("e4d2"), hw)
   x, K, row_fp8, row_f32, meta = 48, 2, 40 + 4, 40 * 4, 2 * 2 * 4

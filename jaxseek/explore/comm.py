@@ -18,7 +18,7 @@ all-gather or reduce-scatter moves (n−1)/n of the whole, an all-reduce twice t
             out (the dispatch dtype; the backward's in the compute dtype) and back (compute dtype). Of the copies 1/P
             stay on the device, (g − 1)/P go to the g − 1 other shards of its node (NVLink), (P − g)/P cross
             nodes, with g = the expert shards one node holds (balanced routing). Two-stage (node-limited:
-            model.moe_dispatch two_stage, or auto where the axis spans nodes): a token's row crosses to each
+            model.moe_dispatch=two_stage where the axis spans nodes): a token's row crosses to each
             other node its experts are on, once, with its expert ids and gate weights (2K float32); the node's
             weighted sum comes back once (`nodes_reached`: the expected count under uniform routing, bounded
             by the nodes group-limited routing lets a token reach); within the node each copy goes to its

@@ -224,8 +224,8 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
 
 
 def dispatch_kind(setting: str, where: str | None = None) -> str:
-  """model.moe_dispatch resolved for platform `where` (default: the mesh's): auto is ragged on GPU and TPU (two
-  stages where the expert axis spans nodes: sharding/experts.py), fixed elsewhere."""
+  """model.moe_dispatch resolved for platform `where` (default: the mesh's): auto is ragged on GPU and TPU,
+  fixed elsewhere; two_stage runs where ragged does (sharding/experts.py)."""
   where = where or platform()
   if setting == "auto":
     return "ragged" if where in ("gpu", "tpu") else "fixed"

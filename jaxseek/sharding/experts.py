@@ -78,11 +78,10 @@ class Settings:
 
   def two_stage(self, shards: int, where: str | None = None) -> bool:
     """Whether token copies go by the node-limited two-stage exchange on `shards` expert shards: ragged dispatch
-    (two_stage, or auto where ragged runs), no capacity factor, and the expert axis spanning whole nodes."""
+    (model.moe_dispatch=two_stage), no capacity factor, and the expert axis spanning whole nodes."""
     kind = choice.dispatch_kind(self.dispatch, where)
     spans = self.node is not None and 1 < self.node < shards and shards % self.node == 0
-    return spans and self.capacity_factor is None and (kind == "two_stage" or kind == "ragged" and
-                                                       self.dispatch == "auto")
+    return spans and self.capacity_factor is None and kind == "two_stage"
 
 
 def node_shards(mesh: jax.sharding.Mesh, devices_per_node: int | None = None) -> int | None:
