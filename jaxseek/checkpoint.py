@@ -139,14 +139,15 @@ class Checkpointer:
     not parameters, and a longer context with YaRN scaling is how a model is extended (docs/context.md)."""
     saved = self.saved_config(step)
     current = config_lib.to_dict(self.cfg)
-    free = {"moe_capacity_factor", "moe_max_expert_shards", "context_attention"}
+    free = {"moe_capacity_factor", "moe_max_expert_shards", "context_attention", "moe_overlap_chunks"}
     if self.read_only:
       free |= {"rope_scaling", "max_position_embeddings"}
     for section in ("model",):
       for key, value in current[section].items():
         if key in free:
           continue
-        old = saved.get(section, {}).get(key)
+        # a key the checkpoint does not name is newer than it: the run that wrote it had the key's default
+        old = saved.get(section, {}).get(key, getattr(config_lib.ModelConfig, key, None))
         if old != value and not (isinstance(value, tuple) and list(value) == old):
           raise UserError(f"checkpoint {self.directory / str(step)} was written for {section}.{key}={old!r} but this "
                           f"run has {section}.{key}={value!r}; use a matching config or another train.run_dir")

@@ -181,6 +181,14 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path, run_env):
   with pytest.raises(UserError, match=r"holds params embed/table_VD as \(264, 40\) where this model has \(272, 40\)"):
     checkpoint_lib.Checkpointer(other, tmp_path).restore(2, trainer.abstract_state, trainer.state_shardings, None)
   saved.write_text(kept)
+  older = json.loads(kept)  # written before model.moe_recv_factor existed: the run had its default, 2.0
+  del older["model"]["moe_recv_factor"]
+  saved.write_text(json.dumps(older))
+  checkpoint_lib.Checkpointer(cfg, tmp_path, read_only=True).check_compatible(2)
+  with pytest.raises(UserError, match=r"written for model.moe_recv_factor=2.0 but this run has model.moe_recv_"):
+    checkpoint_lib.Checkpointer(load_config("tiny-v3", "mesh.data=8", "model.moe_recv_factor=3"), tmp_path,
+                                read_only=True).check_compatible(2)
+  saved.write_text(kept)
   (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save that never finished
   assert checkpoint_lib.Checkpointer(cfg, tmp_path, read_only=True).latest_step() == 2
   for path in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):

@@ -343,18 +343,15 @@ def _overlapped_round(parts, count_cPE, me, r, w_eDm: tuple, *, exchange: Callab
   scheduler is free to run a collective beside another chunk's compute (one collective in flight at a time)."""
   n = len(parts)
   senders = [c.sender(n_PE, me, r * c.rows, exchange, fp8_dispatch) for c, n_PE in zip(parts, count_cPE)]
-  ffn = lambda i, recv_RD: expert_ffn(recv_RD, senders[i][1].group_sizes_e, *w_eDm, matmul)
-  recv, y, back = [senders[0][0][0]()], [], [None] * n
-  for i in range(n):
+  (first_out, first_back), _ = senders[0]
+  recv, y, back = [first_out()], [], [None] * n
+  for i, (_, plan) in enumerate(senders):
     if i + 1 < n:
-      recv.append(senders[i + 1][0][0]())
-    else:
-      back[0] = senders[0][0][1](y[0]) if n > 1 else None
-    y.append(ffn(i, recv[i]))
-  back[0] = senders[0][0][1](y[0]) if n == 1 else back[0]
-  for i in range(1, n):
-    back[i] = senders[i][0][1](y[i])
-  return tuple(back)
+      recv.append(senders[i + 1][0][0]())  # the next chunk's dispatch before this chunk's GEMMs
+    elif n > 1:
+      back[0] = first_back(y[0])  # the first chunk's combine before the last chunk's GEMMs
+    y.append(expert_ffn(recv[i], plan.group_sizes_e, *w_eDm, matmul))
+  return tuple(b if b is not None else senders[i][0][1](y[i]) for i, b in enumerate(back))
 
 
 class _Chunk(NamedTuple):
