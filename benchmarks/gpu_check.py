@@ -26,7 +26,7 @@ from jaxseek.errors import UserError
 from jaxseek.kernels import choice, flash, gpu, grouped
 from jaxseek.kernels.attention import dense_attention
 from jaxseek.model import loss as loss_lib
-from jaxseek.sharding import experts
+from jaxseek.sharding import exchange, experts
 
 
 def rel_err(got, want) -> float:
@@ -87,8 +87,8 @@ def dispatch_cases():
   ws = [(jax.random.normal(kk, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
         for kk, s in zip(ks[3:], [(E, D, M), (E, D, M), (E, M, D)])]
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-  cap = experts.capacity(X, K, 1, E, None)
-  rows = experts.receive_rows(X, K, 1, cap, 2.0)
+  cap = exchange.capacity(X, K, 1, E, None)
+  rows = exchange.receive_rows(X, K, 1, cap, 2.0)
   on_mesh = lambda f: lambda x, w, *ws: jax.shard_map(lambda *a: f(a[0], idx, *a[1:])[0], mesh=mesh,
                                                         in_specs=jax.P(), out_specs=jax.P(), check_vma=False)(x, w, *ws)
   for fp8 in (False, True):

@@ -19,8 +19,8 @@ from jaxseek.errors import UserError
 from jaxseek.kernels import choice
 from jaxseek.model.moe import MoE, Routing, route
 from jaxseek.sharding import experts
-from jaxseek.sharding.experts import (capacity, dispatch, experts_parallel, experts_parallel_ragged, kept_sorted,
-                                      ragged_plan, receive_rows, send_order)
+from jaxseek.sharding.exchange import capacity, dispatch, kept_sorted, ragged_plan, receive_rows, send_order
+from jaxseek.sharding.experts import experts_parallel, experts_parallel_ragged
 from jaxseek.sharding.mesh import make_mesh
 from jaxseek.sharding.rules import activation_spec
 

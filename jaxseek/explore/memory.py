@@ -33,7 +33,7 @@ from typing import Any
 from jaxseek.config import MESH_AXES, Config
 from jaxseek.kernels import choice as kernels
 from jaxseek.model import loss as loss_lib
-from jaxseek.sharding import experts
+from jaxseek.sharding import exchange
 from jaxseek.explore import layout as ex
 from jaxseek.sharding.rules import ACTIVATION_RULES, activation_rules, spec
 
@@ -179,12 +179,12 @@ def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> D
   P, D, K = sizes["expert"], m.hidden_size, m.num_experts_per_tok
   e = -(-m.n_routed_experts // P)
   x = -(-batch // batch_shards(sizes)) * -(-cfg.train.seq_len // sizes["context"])
-  cap = experts.capacity(x, K, P, e, m.moe_capacity_factor)
+  cap = exchange.capacity(x, K, P, e, m.moe_capacity_factor)
   dtype = m.moe_dispatch_dtype or cfg.train.compute_dtype
   out_row = packed_row_bytes(D) if dtype.startswith("float8") else D * a
   if kernels.dispatch_kind(m.moe_dispatch, platform) == "fixed" or P == 1:
     return Dispatch("fixed", P, e, x, P * cap, P * cap, out_row + 4, D * a, dtype)
-  return Dispatch("ragged", P, e, x, x * K, experts.receive_rows(x, K, P, cap, m.moe_recv_factor), out_row, D * a,
+  return Dispatch("ragged", P, e, x, x * K, exchange.receive_rows(x, K, P, cap, m.moe_recv_factor), out_row, D * a,
                   dtype)
 
 
