@@ -269,6 +269,9 @@ class TrainConfig:
   spike_sigma: float | None = None  # skip steps whose loss exceeds the window mean by this many std devs
   spike_window: int = 32
   step_timeout_s: float | None = None  # hang watchdog: exit non-zero when a step takes longer than this
+  # GPU: XLA's latency-hiding scheduler orders the compiled step so that each collective runs beside compute it
+  # does not wait for (false: XLA's default order, which minimises memory and runs every collective exposed)
+  latency_hiding: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

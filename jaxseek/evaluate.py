@@ -28,6 +28,7 @@ from jaxseek import faults
 from jaxseek import input as input_lib
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError, cli, writable_file
+from jaxseek.kernels import choice as kernels
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import rules
 
@@ -71,7 +72,8 @@ class Evaluator:
 
   def __init__(self, cfg: config_lib.Config, mesh: jax.sharding.Mesh, trainer: step_lib.Trainer):
     self.batches = input_lib.batches.eval_batches(cfg, mesh)
-    self.step = faults.Aligned(step_lib.compile_eval(trainer, cfg, mesh), "eval step", cfg.dist.init_timeout_s)
+    self.step = faults.Aligned(step_lib.compile_eval(trainer, cfg, mesh), "eval step", cfg.dist.init_timeout_s,
+                               kernels.compiler_options(cfg))
 
   def __call__(self, state: step_lib.TrainState) -> dict[str, float]:
     """The eval metrics of `state` (waits for them); eval_time_s is the time it took."""

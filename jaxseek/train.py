@@ -92,7 +92,8 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
     raise
   ckpt = ckpt or checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
   start = int(state.step)
-  step_fn = faults.Aligned(compile_step(trainer, cfg, mesh), "train step", cfg.dist.init_timeout_s)
+  step_fn = faults.Aligned(compile_step(trainer, cfg, mesh), "train step", cfg.dist.init_timeout_s,
+                           choice.compiler_options(cfg))
   # the model's own parameters and FLOPs, without the identity padding a pipeline may store
   logical = jax.eval_shape(lambda p: pipeline_lib.reorder(p, pipeline_lib.stack_sizes(cfg.model), pipeline_lib.layout(
       cfg, mesh.shape["pipeline"]), (1, 1)), trainer.abstract_state.params)

@@ -220,6 +220,22 @@ def test_aligned_compiles_again_for_another_batch_shape(capsys):
   assert capsys.readouterr().out.count("compiling the toy step") == 2
 
 
+def test_aligned_compiles_with_the_options_given():
+  """faults.Aligned hands its XLA options to the compiler (the train step's latency-hiding scheduler on GPU):
+  an option XLA does not know is refused at the compile, and the GPU options of a run are the scheduler's, on
+  or off as train.latency_hiding says, and none elsewhere."""
+  from jaxseek.kernels import choice
+
+  step = faults.Aligned(jax.jit(lambda x: x + 1), "toy step", 10, {"xla_no_such_option": True})
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    step(jnp.ones(3))
+  cfg = load_config("tiny-dense")
+  assert choice.compiler_options(cfg, "gpu") == {"xla_gpu_enable_latency_hiding_scheduler": True}
+  off = load_config("tiny-dense", "train.latency_hiding=false")
+  assert choice.compiler_options(off, "gpu") == {"xla_gpu_enable_latency_hiding_scheduler": False}
+  assert choice.compiler_options(cfg, "cpu") == {}
+
+
 def _token_folder(folder, vocab, count=40, seed=0):
   """A prepared folder of `count` random documents (8-30 tokens below `vocab`), written with the shard writer."""
   rng = np.random.default_rng(seed)

@@ -600,6 +600,54 @@ def test_overlap_of_async_collectives_in_a_scheduled_module():
                  "collective-permute": (3, 3, 0, 0)}
 
 
+def test_overlap_estimates_what_the_kernels_between_start_and_done_hide():
+  """A 1 ms matmul (a dot fusion) beside a 2 ms all-gather within a node hides half of it; a 1 ms GEMM custom
+  call beside an all-gather across two nodes that takes 4 ms hides a quarter; a 1 µs fusion beside a third
+  all-gather counts as overlapped but hides almost nothing."""
+  from jaxseek.explore import overlap
+
+  hlo = """HloModule m, is_scheduled=true
+
+%fused_dot (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %d = bf16[1024,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_add (q0: bf16[256]) -> bf16[256] {
+  %q0 = bf16[256]{0} parameter(0)
+  ROOT %a = bf16[256]{0} add(%q0, %q0)
+}
+
+ENTRY %main (x: bf16[1024,1024], w: bf16[1024,1024], v: bf16[256]) -> bf16[256] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %w = bf16[1024,1024]{1,0} parameter(1)
+  %v = bf16[256]{0} parameter(2)
+  %s1 = (bf16[1024,1024]{1,0}, bf16[8192,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %g = bf16[1024,1024]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %d1 = bf16[8192,1024]{1,0} all-gather-done(%s1)
+  %s2 = (bf16[1024,1024]{1,0}, bf16[2048,1024]{1,0}) all-gather-start(%g), channel_id=2, replica_groups={{0,8}}, dimensions={0}
+  %h = bf16[1024,1024]{1,0} custom-call(%x, %w), custom_call_target="__cublas$gemm"
+  %d2 = bf16[2048,1024]{1,0} all-gather-done(%s2)
+  %s3 = (bf16[1024,1024]{1,0}, bf16[8192,1024]{1,0}) all-gather-start(%h), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %f = bf16[256]{0} fusion(%v), kind=kLoop, calls=%fused_add
+  %d3 = bf16[8192,1024]{1,0} all-gather-done(%s3)
+  ROOT %out = bf16[256]{0} add(%f, %f)
+}
+"""
+  big, cross = 8192 * 1024 * 2, 2048 * 1024 * 2
+  rates = overlap.Rates(flops=2 * 1024**3 / 1e-3, memory=1e12, intra_node=big / 2e-3, inter_node=cross / 4e-3,
+                        per_node=8)
+  row = overlap.overlap(hlo, rates)["all-gather"]
+  assert row["overlapped"] == 3 and row["overlapped_bytes"] == 2 * big + cross
+  tiny = (2 * 512 / 1e12) / 2e-3  # the add fusion writes 512 bytes (and reads as many) beside a 2 ms transfer
+  assert row["hidden_bytes"] == pytest.approx(0.5 * big + 0.25 * cross + tiny * big)
+  assert overlap.overlap(hlo)["all-gather"]["hidden_bytes"] == 0  # no rates, no estimate
+  est = overlap.beside_estimate({"all-gather": row}, {"x": [{"collective": "all-gather", "time_s": 1.0}]}, 5.0)
+  assert est["step_if_estimate_hidden_s"] == pytest.approx(5.0 - row["hidden_bytes"] / (2 * big + cross))
+  assert est["step_if_overlap_hidden_s"] == 4.0
+
+
 def test_overlap_counts_the_collectives_outside_conditional_branches_apart():
   """An all-gather that always runs, with a fusion beside it, and one inside a conditional's branch with nothing
   beside it (a further round that runs only under skew): both count in the ops and bytes, only the first in
@@ -638,6 +686,7 @@ ENTRY %main (x: f32[8], p: pred[]) -> f32[8] {
   est = overlap.beside_estimate({"all-gather": row}, {"x": [{"collective": "all-gather", "time_s": 2.0}]}, 10.0)
   assert est["kinds"]["all-gather"]["overlapped_share"] == 0.5
   assert est["step_if_overlap_hidden_s"] == 8.0  # the always-run share (all of it) of the 2 s hidden
+  assert est["step_if_estimate_hidden_s"] == 10.0  # without Rates nothing is estimated hidden
 
 
 def test_collective_bytes_weigh_loop_bodies_by_their_trip_count():

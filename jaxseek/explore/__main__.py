@@ -108,7 +108,7 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
     from jaxseek.explore import gpu as explore_gpu
     from jaxseek.explore import overlap as explore_overlap
 
-    compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node)
+    compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node, hw)
     compiled.pop("hlo")
     compiled["overlap"] = explore_overlap.beside_estimate(compiled["overlap"], result["communication"],
                                                           result["step_time_s"])

@@ -18,14 +18,11 @@ import numpy as np
 
 from jaxseek.config import MESH_AXES, Config
 from jaxseek.errors import UserError
+from jaxseek.explore.overlap import device_groups
 from jaxseek.input.batches import BATCH_KEYS, batch_shardings
 
 COLLECTIVE = re.compile(
     r"(?<![\w-])(ragged-all-to-all|all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
-_IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)")
-_LIST_GROUPS = re.compile(r"(replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
 
 
 TEMP_KINDS = ("gradients", "activations", "moe_dispatch", "gathered_weights")
@@ -119,36 +116,6 @@ def collective_axes(line: str, mesh_shape: tuple[int, ...]) -> tuple[str, ...] |
     coords = np.array(np.unravel_index(np.asarray(group, dtype=np.int64), mesh_shape)).T
     varying.update(int(i) for i in np.nonzero((coords != coords[:1]).any(axis=0))[0])
   return tuple(MESH_AXES[i] for i in sorted(varying))
-
-
-def device_groups(line: str) -> list[list[int]] | None:
-  """Device groups from replica_groups (list, iota or mesh form) or collective-permute source → target pairs."""
-  match = _MESH_GROUPS.search(line)
-  if match:
-    names, sizes = zip(*((k.strip("'"), int(v)) for k, v in (p.split("=") for p in match.group(1).split(","))))
-    ids = _iota(match.group(2)) if match.group(2) else np.arange(int(np.prod(sizes)))
-    grid = ids.reshape(sizes)
-    grouped = [names.index(a.strip().strip("'")) for a in match.group(3).split(",") if a.strip()]
-    kept = [i for i in range(len(sizes)) if i not in grouped]
-    return np.transpose(grid, kept + grouped).reshape(-1, int(np.prod([sizes[i] for i in grouped]))).tolist()
-  match = _IOTA_GROUPS.search(line)
-  if match:
-    return _iota(match.group(3)).reshape(int(match.group(1)), int(match.group(2))).tolist()
-  match = _LIST_GROUPS.search(line)
-  if match:
-    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", match.group(2))]
-    return [g for g in groups if g] or [[0]]
-  return None
-
-
-def _iota(text: str) -> np.ndarray:
-  """The device list of an iota form "[d0,d1,...]T(p0,p1,...)": arange reshaped, transposed, flattened."""
-  match = _IOTA.fullmatch(text.strip())
-  dims = [int(x) for x in match.group(1).split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  if match.group(2):
-    ids = ids.transpose([int(x) for x in match.group(2).split(",")])
-  return ids.reshape(-1)
 
 
 def collective_bytes(text: str, mesh_shape: tuple[int, ...]) -> dict[str, dict[str, float]]:

@@ -36,6 +36,9 @@ GPUS = {"h100-80g": (81559, "h100"), "h800-80g": (81559, "h800"), "h200-141g": (
 # CUDA compute capability by PEAK_TFLOPS key: which kernels `auto` picks there (kernels/choice.py)
 CAPABILITY = {"h100": 9.0, "h800": 9.0, "h200": 9.0, "gh200": 9.0, "a100": 8.0, "a800": 8.0, "l40s": 8.9,
               "b200": 10.0}
+# memory bandwidth in TB/s by PEAK_TFLOPS key (the time of memory-bound kernels beside a collective: overlap.py)
+MEMORY_TBPS = {"h100": 3.35, "h800": 3.35, "h200": 4.8, "gh200": 4.0, "a100": 2.04, "a800": 2.04, "l40s": 0.864,
+               "b200": 8.0}
 DEFAULT_GPU = "h100-80g"
 _SIZE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e\+?[0-9]+)?)\s*(gib|gb|mib|mb|tib|tb|b)?\s*$",
                    re.IGNORECASE)

@@ -67,12 +67,26 @@ def default_device(device) -> Iterator[None]:
     backend.get_default_device, jax.devices, jax.local_devices = saved
 
 
-def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host: int) -> dict[str, Any]:
+def target_rates(target: str, per_host: int, hw=None):
+  """What the overlap estimate times kernels and transfers with (explore/overlap.py): `target`'s dense peak and
+  memory bandwidth, the links of `hw` (a comm.Hardware; default: NVLink 4 within a node, 400 Gb/s across)."""
+  from jaxseek.explore import comm, core
+  from jaxseek.explore.overlap import Rates
+
+  hw = hw or comm.Hardware(target, 0, 0.0)
+  key = core.GPUS[TARGET_MEMORY[target]][1]
+  return Rates(flops=core.PEAK_TFLOPS[key] * 1e12, memory=core.MEMORY_TBPS[key] * 1e12,
+               intra_node=hw.intra_node_gbps * 1e9 / 8, inter_node=hw.inter_node_gbps * 1e9 / 8, per_node=per_host)
+
+
+def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host: int, hw=None) -> dict[str, Any]:
   """Compiles the train step for prod(sizes) GPUs of `target` (`per_host` to a host); returns XLA's figures per
-  device, the kernels (custom calls) the program runs and its largest array shapes."""
+  device, the kernels (custom calls) the program runs, its largest array shapes and the collectives it overlaps
+  with compute (with what they hide, timed at `target_rates(target, per_host, hw)`)."""
   from jaxseek import step as step_lib
   from jaxseek.explore import compile as explore_compile
   from jaxseek.explore import overlap as explore_overlap
+  from jaxseek.kernels import choice as kernels
   from jaxseek.sharding import mesh as mesh_lib
 
   n = int(np.prod(list(sizes.values())))
@@ -91,11 +105,11 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
     with jax.set_mesh(mesh):
       # XLA takes CUB's radix sort where it holds deviceless scratch sizes (H100) and then asks the CUDA runtime
       # for a device: the same fallback sort as on the other targets keeps the compile deviceless
-      compiled = step.lower(trainer.abstract_state, batch).compile(DEVICELESS_OPTIONS)
+      options = {**DEVICELESS_OPTIONS, **kernels.compiler_options(cfg, "gpu")}
+      compiled = step.lower(trainer.abstract_state, batch).compile(options)
   stats = compiled.memory_analysis()
   text = compiled.as_text()
   calls = collections.Counter(CUSTOM_CALL.findall(text))
-  from jaxseek.kernels import choice as kernels
 
   return {"target": target, "devices": n, "hosts": n // per_host, "device_kind": devices[0].device_kind,
           "compute_capability": kernels.capability(devices[0]),
@@ -107,7 +121,7 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
           "batch_bytes": sum(int(np.prod(b.sharding.shard_shape(b.shape))) * b.dtype.itemsize for b in batch.values()),
           "custom_calls": dict(calls), "kernels": kernels_used(calls),
           "collectives": explore_compile.count_collectives(text, tuple(mesh.devices.shape)),
-          "overlap": explore_overlap.overlap(text), "hlo": text}
+          "overlap": explore_overlap.overlap(text, target_rates(target, per_host, hw)), "hlo": text}
 
 
 def kernels_used(calls: dict[str, int]) -> dict[str, int]:

@@ -12,12 +12,25 @@ dropless exchange's further rounds run only under skew).
 Each collective is weighted by how often it runs: the product of the `known_trip_count`s of the while loops
 whose bodies hold it. A conditional's branches each count as if taken every time (an upper bound: the table
 schedules' `lax.switch` takes one branch a tick).
+
+That a kernel lies between start and done says nothing of how long it runs: a few small fusions beside a large
+exchange hide little of it. Given `Rates` (the device's peak, its memory bandwidth and its links), `overlap`
+also estimates what each pair hides (`hidden_bytes`): its bytes × min(1, the time of the kernels between
+start and done / the time of the transfer). A kernel's time is the larger of its matmul FLOPs at peak (dots in
+fusions, and GEMM custom calls sized from their operands) and the bytes it reads and writes at the memory
+bandwidth; a while loop's body counts its trip count times, a conditional its longest branch. The transfer's
+time is the bytes the done delivers over the link its device groups use (within a node of `per_node` devices,
+or across nodes); for a ragged exchange the smaller of its send and receive buffers (the receive buffer of a
+dispatch has room for more than arrives).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 KINDS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter", "ragged-all-to-all",
          "collective-broadcast")
@@ -31,6 +44,23 @@ _CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_c
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)")
+_LIST_GROUPS = re.compile(r"(replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_FLOAT = ("f64", "f32", "bf16", "f16", "f8e4m3fn", "f8e5m2")
+
+
+class Rates(NamedTuple):
+  """What `overlap` times kernels and transfers with: FLOP/s at peak, memory bytes/s, link bytes/s within a node
+  and across nodes, and the devices of a node (device ids node-major)."""
+
+  flops: float
+  memory: float
+  intra_node: float
+  inter_node: float
+  per_node: int
 
 
 def parse(text: str) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
@@ -167,15 +197,17 @@ def collective_kind(module, instruction: dict[str, Any]) -> str | None:
   return None
 
 
-def overlap(text: str) -> dict[str, dict[str, float]]:
+def overlap(text: str, rates: Rates | None = None) -> dict[str, dict[str, float]]:
   """Per collective kind, weighted by the trip counts of the loops that run it: `ops` (all), `async` (start /
   done pairs), `overlapped` (pairs with a kernel scheduled between start and done), and the bytes they
-  deliver (the done's result) for the same three."""
+  deliver (the done's result) for the same three; with `rates`, also the bytes the kernels between start and
+  done are estimated to hide (`hidden_bytes`, `always_hidden_bytes`)."""
   module, entry = parse(text)
   if entry is None:
     return {}
   runs = weights(module, entry)
   branches = in_branches(module, entry)
+  timer = _Timer(module, rates) if rates else None
   memo: dict[str, bool] = {}
   out: dict[str, dict[str, float]] = {}
   for name, instructions in module.items():
@@ -184,24 +216,17 @@ def overlap(text: str) -> dict[str, dict[str, float]]:
       continue
     always = name not in branches
     for k, instruction in enumerate(instructions):
-      row = None
       kind = collective_kind(module, instruction)
       if kind is not None:
-        done = next((j for j in range(k + 1, len(instructions)) if instructions[j]["opcode"].endswith("-done")
-                     and _operand_names(instructions[j]) & {instruction["name"]}), None)
         row = out.setdefault(kind, _empty())
-        nbytes = array_bytes(instructions[done]["type"]) if done is not None else 0
-        row["ops"] += w
-        row["async"] += w
-        row["bytes"] += w * nbytes
-        row["async_bytes"] += w * nbytes
-        row["always_bytes"] += always * w * nbytes
-        sync = '"is_sync":true' in instruction["attrs"]  # XLA chose to run it synchronously
-        if done is not None and not sync and any(_is_compute(module, instructions[j], memo)
-                                                 for j in range(k + 1, done)):
-          row["overlapped"] += w
-          row["overlapped_bytes"] += w * nbytes
-          row["always_overlapped_bytes"] += always * w * nbytes
+        nbytes, between = _pair(module, instructions, k, memo)
+        hidden = nbytes * timer.hidden(name, instruction, between, nbytes) if timer and between else 0.0
+        for key, value in (("ops", 1), ("async", 1), ("bytes", nbytes), ("async_bytes", nbytes),
+                           ("overlapped", bool(between)), ("overlapped_bytes", nbytes * bool(between)),
+                           ("hidden_bytes", hidden)):
+          row[key] += w * value
+          if key.endswith("bytes") and f"always_{key}" in row:
+            row[f"always_{key}"] += always * w * value
       elif instruction["opcode"] in KINDS:
         row = out.setdefault(instruction["opcode"], _empty())
         row["ops"] += w
@@ -210,32 +235,165 @@ def overlap(text: str) -> dict[str, dict[str, float]]:
   return out
 
 
+def _pair(module, instructions: list[dict[str, Any]], k: int, memo: dict[str, bool]) -> tuple[int, list]:
+  """(the bytes the done of the async start at `k` delivers, the kernels scheduled between start and done; none
+  when XLA runs the pair synchronously)."""
+  done = next((j for j in range(k + 1, len(instructions)) if instructions[j]["opcode"].endswith("-done")
+               and _operand_names(instructions[j]) & {instructions[k]["name"]}), None)
+  if done is None:
+    return 0, []
+  if '"is_sync":true' in instructions[k]["attrs"]:  # XLA chose to run it synchronously
+    return array_bytes(instructions[done]["type"]), []
+  between = [i for i in instructions[k + 1:done] if _is_compute(module, i, memo)]
+  return array_bytes(instructions[done]["type"]), between
+
+
+class _Timer:
+  """Estimated seconds of the kernels and transfers of a parsed module (the module docstring says how)."""
+
+  def __init__(self, module: dict[str, list[dict[str, Any]]], rates: Rates):
+    self.module, self.rates = module, rates
+    self.types = {c: {i["name"]: i["type"] for i in ins} for c, ins in module.items()}
+    self.memo: dict[str, float] = {}
+
+  def hidden(self, computation: str, start: dict[str, Any], between: list, nbytes: int) -> float:
+    """The share of the transfer started by `start` that the kernels `between` cover."""
+    if collective_kind(self.module, start) == "ragged-all-to-all":  # what is sent, not the buffer it lands in
+      first = _ARRAY.search(start["type"])
+      nbytes = min(nbytes, array_bytes(first.group(0))) if first else nbytes
+    transfer = nbytes / self.link(start)
+    window = sum(self.kernel(computation, i) for i in between)
+    return min(1.0, window / transfer) if transfer > 0 else 1.0
+
+  def link(self, start: dict[str, Any]) -> float:
+    attrs = start["attrs"] + "".join(i["attrs"] for _, c in callees(start) for i in self.module.get(c, []))
+    groups = device_groups(attrs) or []
+    n = self.rates.per_node
+    spans = any(min(g) // n != max(g) // n for g in groups if g)
+    return self.rates.inter_node if spans else self.rates.intra_node
+
+  def kernel(self, computation: str, instruction: dict[str, Any]) -> float:
+    op = instruction["opcode"]
+    if op in CALLERS:
+      times = [self.body(c) for key, c in callees(instruction) if key != "condition" and c in self.module]
+      trips = _TRIP.search(instruction["attrs"])
+      if op == "conditional":
+        return max(times, default=0.0)
+      return (int(trips.group(1)) if trips and op == "while" else 1) * sum(times)
+    if op not in COMPUTE:
+      return 0.0
+    # the output written and as much read: a slice of a large operand reads only what it writes
+    memory = 2 * self.written(computation, instruction) / self.rates.memory
+    return max(self.flops(computation, instruction) / self.rates.flops, memory)
+
+  def written(self, computation: str, instruction: dict[str, Any]) -> int:
+    """Bytes a kernel writes: its output, or only the update where a fusion updates a slice in place."""
+    for key, c in callees(instruction):
+      root = self.module.get(c, [None])[-1] if key == "calls" else None
+      if root and root["opcode"] == "dynamic-update-slice":
+        update = re.findall(r"%?([\w.\-]+)", root["operands"])[1:2]
+        return array_bytes(self.types[c].get(update[0], "")) if update else 0
+    return array_bytes(instruction["type"])
+
+  def body(self, computation: str) -> float:
+    if computation not in self.memo:
+      self.memo[computation] = 0.0
+      self.memo[computation] = sum(self.kernel(computation, i) for i in self.module[computation])
+    return self.memo[computation]
+
+  def flops(self, computation: str, instruction: dict[str, Any]) -> float:
+    op, types = instruction["opcode"], self.types[computation]
+    operands = re.findall(r"%?([\w.\-]+)", instruction["operands"])
+    if op == "fusion":
+      return sum(self.flops(c, i) for key, c in callees(instruction) if key == "calls" and c in self.module
+                 for i in self.module[c] if i["opcode"] in ("dot", "fusion"))
+    if op == "dot" and operands:
+      lhs = _dims(types.get(operands[0], ""))
+      contracting = _CONTRACTING.search(instruction["attrs"])
+      k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 0
+      return 2.0 * math.prod(_dims(instruction["type"]) or [0]) * k
+    if op == "custom-call":  # a GEMM [M, N] = [M, K] · [(G,) K, N]: K from the float operand that has M
+      out = _dims(instruction["type"])
+      if len(out) != 2:
+        return 0.0
+      for name in operands:
+        dims = _dims(types.get(name, ""), floats_only=True)
+        if len(dims) == 2 and out[0] in dims:
+          return 2.0 * out[0] * out[1] * dims[1 - dims.index(out[0])]
+    return 0.0
+
+
+def _dims(type_: str, floats_only: bool = False) -> list[int]:
+  """The dimensions of an HLO array type (empty for a tuple, or a non-float one with `floats_only`)."""
+  found = _ARRAY.findall(type_)
+  if len(found) != 1 or (floats_only and found[0][0] not in _FLOAT) or type_.lstrip().startswith("("):
+    return []
+  return [int(d) for d in found[0][1].split(",") if d]
+
+
 def _operand_names(instruction: dict[str, Any]) -> set[str]:
   """The names an instruction reads (with or without the % of older printers; types are words too)."""
   return set(re.findall(r"%?([\w.\-]+)", instruction["operands"]))
 
 
 def _empty() -> dict[str, float]:
-  return dict.fromkeys(("ops", "async", "overlapped", "bytes", "async_bytes", "overlapped_bytes", "always_bytes",
-                        "always_overlapped_bytes"), 0.0)
+  return dict.fromkeys(("ops", "async", "overlapped", "bytes", "async_bytes", "overlapped_bytes", "hidden_bytes",
+                        "always_bytes", "always_overlapped_bytes", "always_hidden_bytes"), 0.0)
 
 
 def beside_estimate(overlaps: dict[str, dict[str, float]], communication: dict[str, list[dict[str, Any]]],
                     step_s: float) -> dict[str, Any]:
   """The compiled module's overlap next to the explorer's no-overlap bound: per kind the analytic time, the
-  share of its bytes XLA overlaps with compute (all, and outside conditional branches), and the step if the
-  share outside branches were hidden entirely (the analytic time counts what always runs: one round of the
-  exchange under balanced routing)."""
+  share of its bytes XLA overlaps with compute (all, and outside conditional branches), the share the kernels
+  beside them are estimated to hide (`hidden_share`, `always_hidden_share`: overlap's Rates), and two steps:
+  with every overlapped pair outside branches hidden entirely (`step_if_overlap_hidden_s`, a bound), and with
+  what the kernels beside them can hide (`step_if_estimate_hidden_s`). The analytic time counts what always
+  runs: one round of the exchange under balanced routing."""
   analytic: dict[str, float] = {}
   for items in communication.values():
     for item in items:
       analytic[item["collective"]] = analytic.get(item["collective"], 0.0) + item["time_s"]
-  rows, hidden = {}, 0.0
+  rows, bound, estimate = {}, 0.0, 0.0
+  share = lambda part, whole: got[part] / got[whole] if got[whole] else 0.0
   for kind in sorted(set(analytic) | set(overlaps)):
-    got = overlaps.get(kind, _empty())
-    share = got["overlapped_bytes"] / got["bytes"] if got["bytes"] else 0.0
-    always = got["always_overlapped_bytes"] / got["always_bytes"] if got["always_bytes"] else share
+    got = {**_empty(), **overlaps.get(kind, {})}
+    always = share("always_overlapped_bytes", "always_bytes") if got["always_bytes"] else \
+        share("overlapped_bytes", "bytes")
     time = analytic.get(kind, 0.0)
-    hidden += always * time  # the analytic time is the exchange that always runs (one round, balanced routing)
-    rows[kind] = {**got, "overlapped_share": share, "always_overlapped_share": always, "analytic_time_s": time}
-  return {"kinds": rows, "step_time_s": step_s, "step_if_overlap_hidden_s": step_s - hidden}
+    bound += always * time
+    estimate += share("always_hidden_bytes", "always_bytes") * time
+    rows[kind] = {**got, "overlapped_share": share("overlapped_bytes", "bytes"), "always_overlapped_share": always,
+                  "hidden_share": share("hidden_bytes", "bytes"),
+                  "always_hidden_share": share("always_hidden_bytes", "always_bytes"), "analytic_time_s": time}
+  return {"kinds": rows, "step_time_s": step_s, "step_if_overlap_hidden_s": step_s - bound,
+          "step_if_estimate_hidden_s": step_s - estimate}
+
+
+def device_groups(line: str) -> list[list[int]] | None:
+  """Device groups from replica_groups (list, iota or mesh form) or collective-permute source → target pairs."""
+  match = _MESH_GROUPS.search(line)
+  if match:
+    names, sizes = zip(*((k.strip("'"), int(v)) for k, v in (p.split("=") for p in match.group(1).split(","))))
+    ids = _iota(match.group(2)) if match.group(2) else np.arange(int(np.prod(sizes)))
+    grid = ids.reshape(sizes)
+    grouped = [names.index(a.strip().strip("'")) for a in match.group(3).split(",") if a.strip()]
+    kept = [i for i in range(len(sizes)) if i not in grouped]
+    return np.transpose(grid, kept + grouped).reshape(-1, int(np.prod([sizes[i] for i in grouped]))).tolist()
+  match = _IOTA_GROUPS.search(line)
+  if match:
+    return _iota(match.group(3)).reshape(int(match.group(1)), int(match.group(2))).tolist()
+  match = _LIST_GROUPS.search(line)
+  if match:
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", match.group(2))]
+    return [g for g in groups if g] or [[0]]
+  return None
+
+
+def _iota(text: str) -> np.ndarray:
+  """The device list of an iota form "[d0,d1,...]T(p0,p1,...)": arange reshaped, transposed, flattened."""
+  match = _IOTA.fullmatch(text.strip())
+  dims = [int(x) for x in match.group(1).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if match.group(2):
+    ids = ids.transpose([int(x) for x in match.group(2).split(",")])
+  return ids.reshape(-1)

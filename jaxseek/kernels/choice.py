@@ -41,6 +41,15 @@ def platform() -> str:
   return "gpu" if name in ("cuda", "rocm", "gpu") else name
 
 
+def compiler_options(cfg, where: str | None = None) -> dict[str, bool]:
+  """XLA options the train step compiles with on platform `where` (default: the mesh's): on GPU the
+  latency-hiding scheduler (train.latency_hiding), which XLA:GPU leaves off for a program of a training step's
+  size, so that nothing would overlap the expert exchange or the weight gathers."""
+  if (where or platform()) != "gpu":
+    return {}
+  return {"xla_gpu_enable_latency_hiding_scheduler": cfg.train.latency_hiding}
+
+
 MOSAIC_SM = (9.0, 11.0)  # tokamax 0.0.12's Mosaic GPU kernels: Hopper (sm_90) and Blackwell (sm_100)
 TRITON_SM = 8.0  # Triton (Pallas) kernels: Ampere and later
 MOSAIC_SM100_HEAD_DIM = 64  # the widest head tokamax 0.0.12's sm_100 Mosaic attention fits in shared memory
@@ -213,6 +222,8 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
     gemm = matmul_kind(m.moe_matmul, where, t.compute_dtype, installed, cc, expert_dims(cfg, tensor))
     parts.append(f"expert GEMM {gemm} ({LABELS['blocked_matmul' if gemm == 'blocked' else gemm]})")
   parts.append(f"loss {t.loss_impl} ({LABELS[t.loss_impl]})")
+  if where == "gpu":
+    parts.append(f"XLA latency-hiding scheduler {'on' if t.latency_hiding else 'off'}")
   line = f"kernels on {where if where != 'gpu' else sm(cc)}: " + " | ".join(parts)
   if where == "gpu" and not installed and "auto" in (m.attention_impl, m.moe_matmul):
     line += " — tokamax is not installed, so auto takes XLA's paths: pip install -e '.[gpu]' for the GPU kernels"
