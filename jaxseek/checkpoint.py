@@ -139,7 +139,8 @@ class Checkpointer:
     not parameters, and a longer context with YaRN scaling is how a model is extended (docs/context.md)."""
     saved = self.saved_config(step)
     current = config_lib.to_dict(self.cfg)
-    free = {"moe_capacity_factor", "moe_max_expert_shards", "context_attention", "moe_overlap_chunks"}
+    free = {"moe_capacity_factor", "moe_max_expert_shards", "context_attention", "moe_overlap_chunks",
+            "overlap_streams"}
     if self.read_only:
       free |= {"rope_scaling", "max_position_embeddings"}
     for section in ("model",):

@@ -86,6 +86,11 @@ class ModelConfig:
   # with a capacity factor it is 1 (capacity holds per exchange). Default 1: compiled for 8 H200s, XLA's
   # scheduler overlaps less of the exchange with 2 chunks than with 1 (docs/moe.md, "Chunks beside each other").
   moe_overlap_chunks: int = 1
+  # Each decoder block runs the rows of a microbatch as this many independent streams (rows i, i + n, …), in one
+  # program: one stream's expert exchange can run while another's attention and expert GEMMs do. The rows each
+  # device holds of a microbatch must divide by it; the loss and gradients are those of one stream up to
+  # summation order. Default 1: a second stream holds a second set of the layer's buffers (docs/moe.md).
+  overlap_streams: int = 1
   # The dispatched rows' dtype: null = the compute dtype; float8_e4m3fn sends each row as e4m3 with a float32
   # scale per 128 channels (dequantised on arrival); the results come back in the compute dtype.
   moe_dispatch_dtype: Literal["float8_e4m3fn"] | None = None
@@ -565,6 +570,8 @@ def _check_model(cfg: Config, model_only: bool) -> None:
   if m.moe_overlap_chunks < 1:
     raise UserError(f"config key model.moe_overlap_chunks: {m.moe_overlap_chunks} must be ≥ 1 (1: one exchange "
                     f"per MoE layer run)")
+  if m.overlap_streams < 1:
+    raise UserError(f"config key model.overlap_streams: {m.overlap_streams} must be ≥ 1 (1: the rows in one stream)")
   if m.moe_recv_factor <= 0:
     raise UserError(f"config key model.moe_recv_factor: {m.moe_recv_factor} must be > 0 (receive rows as a multiple "
                     f"of K × local tokens; min(mesh.expert, n_routed_experts / num_experts_per_tok) is dropless)")
@@ -739,6 +746,11 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
   if shards > 0 and (cfg.train.batch_size // cfg.train.microbatches) % shards:
     raise UserError(f"config key train.batch_size: {cfg.train.batch_size} sequences / {cfg.train.microbatches} "
                     f"microbatches is not divisible by the batch shards data × fsdp × expert = {shards}")
+  rows, streams = cfg.train.batch_size // cfg.train.microbatches // max(shards, 1), cfg.model.overlap_streams
+  if shards > 0 and rows % streams:
+    raise UserError(f"config key model.overlap_streams: {streams} streams do not divide the {rows} rows a device "
+                    f"holds of each microbatch (train.batch_size / train.microbatches / data × fsdp × expert); use a "
+                    f"divisor of {rows}, or fewer microbatches")
 
 
 def _positive(cfg: Config, *keys: str) -> None:

@@ -67,6 +67,9 @@ BAD_INPUT = [
      "implement on cpu", "use auto or fixed"),
     (["model.moe_recv_factor=0"], "config key model.moe_recv_factor: 0.0 must be > 0", "dropless"),
     (["model.moe_overlap_chunks=0"], "config key model.moe_overlap_chunks: 0 must be ≥ 1", "one exchange"),
+    (["model.overlap_streams=0"], "config key model.overlap_streams: 0 must be ≥ 1", "one stream"),
+    (["model.overlap_streams=4"], "model.overlap_streams: 4 streams do not divide the 2 rows a device holds",
+     "use a divisor of 2"),
     (["model.moe_dispatch_dtype=float16"], "config key model.moe_dispatch_dtype: 'float16' is not one of",
      "'float8_e4m3fn'"),
     # the eval section

@@ -19,6 +19,7 @@ from jaxseek.sharding.rules import shard
 
 # the residual stream (its length also split over tensor under mesh.sequence_parallel)
 ACT_BTD = ("batch", "residual_length", "embed")
+PER_ROW = ("balance",)  # a block's aux entries with one value per sequence [B] (the others are sums over rows)
 STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (leading axis "layers"), in order
 
 # run_stack(body, layer_state, x_BTD, side, num_layers) → (x_BTD, aux), or None for the stack's own lax.scan:
@@ -40,9 +41,22 @@ class Block(nnx.Module):
     else:
       self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, param_dtype=param_dtype, dtype=dtype, rngs=rngs,
                      fp8=fp8)
-    self.moe = moe
+    self.moe, self.streams = moe, cfg.overlap_streams
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, valid_BT):
+    """The block on [B, T, D]; with model.overlap_streams = n, on n independent streams of rows i, i + n, …
+    (each device keeps its own rows), put back in order. Per-sequence aux entries (`balance`) are put back the
+    same way, the others (sums over the rows) added."""
+    n = self.streams
+    if n == 1 or x_BTD.shape[0] % n:  # (a batch whose rows do not split, such as evaluation's, runs as one)
+      return self.layer(x_BTD, positions_BT, segment_ids_BT, valid_BT)
+    pick = lambda a, i: None if a is None else a.reshape(a.shape[0] // n, n, *a.shape[1:])[:, i]
+    merge = lambda *parts: jnp.stack(parts, 1).reshape(-1, *parts[0].shape[1:])
+    outs = [self.layer(*(pick(a, i) for a in (x_BTD, positions_BT, segment_ids_BT, valid_BT))) for i in range(n)]
+    aux = {k: (merge if k in PER_ROW else lambda *v: sum(v))(*(a[k] for _, a in outs)) for k in outs[0][1]}
+    return shard(merge(*(y for y, _ in outs)), ACT_BTD), aux
+
+  def layer(self, x_BTD, positions_BT, segment_ids_BT, valid_BT):
     x_BTD = shard(x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT), ACT_BTD)
     h_BTD = checkpoint_name(self.mlp_norm(x_BTD), "mlp_input")  # the MLP / MoE input (remat policies)
     if self.moe:
