@@ -648,10 +648,10 @@ ENTRY %main (x: bf16[1024,1024], w: bf16[1024,1024], v: bf16[256]) -> bf16[256] 
   assert est["step_if_overlap_hidden_s"] == 4.0
 
 
-def test_overlap_counts_the_collectives_outside_conditional_branches_apart():
-  """An all-gather that always runs, with a fusion beside it, and one inside a conditional's branch with nothing
-  beside it (a further round that runs only under skew): both count in the ops and bytes, only the first in
-  what always runs, so 100% of the always-run bytes overlap and 50% of all."""
+def test_overlap_counts_what_runs_every_step_apart():
+  """An all-gather that always runs, with a fusion beside it, and one in a further round of the dropless
+  exchange (marked jaxseek_round="further": it runs only under skew) with nothing beside it: both count in the
+  ops and bytes, only the first in what runs every step, so 100% of those bytes overlap and 50% of all."""
   from jaxseek.explore import overlap
 
   hlo = """HloModule m, is_scheduled=true
@@ -663,7 +663,7 @@ def test_overlap_counts_the_collectives_outside_conditional_branches_apart():
 
 %round (x: f32[8]) -> f32[8] {
   %x = f32[8]{0} parameter(0)
-  %s = (f32[4]{0}, f32[8]{0}) all-gather-start(%x), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  %s = (f32[4]{0}, f32[8]{0}) all-gather-start(%x), channel_id=2, replica_groups={{0,1}}, dimensions={0}, frontend_attributes={jaxseek_round="further"}
   ROOT %d = f32[8]{0} all-gather-done(%s)
 }
 

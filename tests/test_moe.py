@@ -461,6 +461,21 @@ def numpy_ragged_layer(x, idx, weights, w_gate, w_up, w_down, rows):
   return np.concatenate(y), np.concatenate(kept, axis=1)
 
 
+def test_the_further_rounds_are_marked_in_the_compiled_program():
+  """explore/overlap.py tells what runs every step from the dropless exchange's further rounds by the attribute
+  the exchange puts on their ops: compiled with half a balanced buffer, the first round's all-gathers (the
+  emulated exchange) carry no mark and the further rounds' carry jaxseek_round="further"."""
+  x, idx, weights, *w = skewed_routing()
+  mesh = jax.make_mesh((SHARDS,), EXPERT_AXES, axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:SHARDS])
+  split = jax.P("expert")
+  mapped = jax.shard_map(ragged_fn(0.5), mesh=mesh, in_specs=(split,) * 6, out_specs=(split, jax.P(None, "expert")))
+  text = jax.jit(mapped).lower(x, idx, weights, *w).compile().as_text()
+  gathers = [line for line in text.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
+  marked = [line for line in gathers if 'jaxseek_round="further"' in line]
+  assert 0 < len(marked) < len(gathers), (len(marked), len(gathers))
+
+
 def expected_receiver_drops(idx: np.ndarray, rows: int) -> np.ndarray:
   """The documented rule [P·X, K]: each receiver fills R rows expert-major (local expert, then source, then the
   source's copies k-major); copies past R are dropped."""

@@ -5,9 +5,9 @@ all-reduce, collective-permute, and through the generic async wrapper all-to-all
 ragged-all-to-all); in a scheduled module the instructions of a computation are listed in the order they run.
 A pair overlaps compute when a kernel (a fusion, custom call, dot or convolution, or a while, conditional or
 call whose computations launch one) is scheduled between its start and its done in the same computation, and
-XLA did not mark it `is_sync` (run synchronously, whatever lies between). Bytes outside every conditional's
-branch are also counted apart (`always_*`): what runs whatever the data, where a branch may be skipped (the
-dropless exchange's further rounds run only under skew).
+XLA did not mark it `is_sync` (run synchronously, whatever lies between). What runs every step is also counted
+apart (`always_*`): all but the dropless exchange's further rounds, which run only under skew (their ops carry
+the frontend attribute `jaxseek_round="further"`, sharding/experts.py).
 
 Each collective is weighted by how often it runs: the product of the `known_trip_count`s of the while loops
 whose bodies hold it. A conditional's branches each count as if taken every time (an upper bound: the table
@@ -48,6 +48,7 @@ _IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)")
 _LIST_GROUPS = re.compile(r"(replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+FURTHER = 'jaxseek_round="further"'  # the exchange's further rounds (sharding/experts.py FURTHER)
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _FLOAT = ("f64", "f32", "bf16", "f16", "f8e4m3fn", "f8e5m2")
 
@@ -149,25 +150,6 @@ def weights(module: dict[str, list[dict[str, Any]]], entry: str) -> dict[str, in
   return out
 
 
-def in_branches(module: dict[str, list[dict[str, Any]]], entry: str) -> set[str]:
-  """The computations that run only inside a conditional's branch (and what they call): work that may be
-  skipped, such as the dropless exchange's further rounds."""
-  out: set[str] = set()
-  stack = [(entry, False)]
-  seen = set()
-  while stack:
-    name, under = stack.pop()
-    if (name, under) in seen:
-      continue
-    seen.add((name, under))
-    out |= {name} if under else set()
-    for instruction in module.get(name, []):
-      for key, callee in callees(instruction):
-        if callee in module and instruction["opcode"] != "async-start":
-          stack.append((callee, under or key in ("branch", "true_computation", "false_computation")))
-  return out - {n for n, u in seen if not u}
-
-
 def _launches(module, name: str, memo: dict[str, bool]) -> bool:
   """Whether running computation `name` launches a kernel."""
   if name not in memo:
@@ -206,7 +188,6 @@ def overlap(text: str, rates: Rates | None = None) -> dict[str, dict[str, float]
   if entry is None:
     return {}
   runs = weights(module, entry)
-  branches = in_branches(module, entry)
   timer = _Timer(module, rates) if rates else None
   memo: dict[str, bool] = {}
   out: dict[str, dict[str, float]] = {}
@@ -214,9 +195,11 @@ def overlap(text: str, rates: Rates | None = None) -> dict[str, dict[str, float]
     w = runs.get(name, 0)
     if not w:
       continue
-    always = name not in branches
     for k, instruction in enumerate(instructions):
       kind = collective_kind(module, instruction)
+      always = FURTHER not in instruction["attrs"] + "".join(
+          i["attrs"] for key, c in callees(instruction) if instruction["opcode"] == "async-start"
+          for i in module.get(c, []))
       if kind is not None:
         row = out.setdefault(kind, _empty())
         nbytes, between = _pair(module, instructions, k, memo)
@@ -344,9 +327,9 @@ def _empty() -> dict[str, float]:
 def beside_estimate(overlaps: dict[str, dict[str, float]], communication: dict[str, list[dict[str, Any]]],
                     step_s: float) -> dict[str, Any]:
   """The compiled module's overlap next to the explorer's no-overlap bound: per kind the analytic time, the
-  share of its bytes XLA overlaps with compute (all, and outside conditional branches), the share the kernels
+  share of its bytes XLA overlaps with compute (all, and of what runs every step), the share the kernels
   beside them are estimated to hide (`hidden_share`, `always_hidden_share`: overlap's Rates), and two steps:
-  with every overlapped pair outside branches hidden entirely (`step_if_overlap_hidden_s`, a bound), and with
+  with every overlapped pair that runs every step hidden entirely (`step_if_overlap_hidden_s`, a bound), and with
   what the kernels beside them can hide (`step_if_estimate_hidden_s`). The analytic time counts what always
   runs: one round of the exchange under balanced routing."""
   analytic: dict[str, float] = {}
@@ -361,7 +344,8 @@ def beside_estimate(overlaps: dict[str, dict[str, float]], communication: dict[s
         share("overlapped_bytes", "bytes")
     time = analytic.get(kind, 0.0)
     bound += always * time
-    estimate += share("always_hidden_bytes", "always_bytes") * time
+    estimate += (share("always_hidden_bytes", "always_bytes") if got["always_bytes"] else
+                 share("hidden_bytes", "bytes")) * time
     rows[kind] = {**got, "overlapped_share": share("overlapped_bytes", "bytes"), "always_overlapped_share": always,
                   "hidden_share": share("hidden_bytes", "bytes"),
                   "always_hidden_share": share("always_hidden_bytes", "always_bytes"), "analytic_time_s": time}

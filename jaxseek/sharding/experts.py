@@ -43,6 +43,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxseek.config import ModelConfig
 from jaxseek.errors import UserError
@@ -53,6 +54,9 @@ from jaxseek.sharding.exchange import (RaggedPlan, capacity, dispatch, kept_sort
                                       rank_in_group, receive_rows, rounds_needed, send_order, send_slots,
                                       zero_rows, zeros_like_round)
 
+# marks the ops of the further rounds (and windows) that run only when a shard receives more than its buffer, in
+# the compiled program: explore/overlap.py counts what runs every step without them
+FURTHER = {"jaxseek_round": "further"}
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -251,8 +255,9 @@ def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_do
   if extra > 0:
     skipped = tuple(zeros_like_round(c.send_JD, *w_eDm) for c in parts)
     later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: skipped, r))
-    back, _ = jax.lax.scan(lambda acc, r: (jax.tree.map(jnp.add, acc, later(r)), None), back,
-                           jnp.arange(1, extra + 1))
+    with set_xla_metadata(**FURTHER):
+      back, _ = jax.lax.scan(lambda acc, r: (jax.tree.map(jnp.add, acc, later(r)), None), back,
+                             jnp.arange(1, extra + 1))
   out = [c.combined(back_JD, weights_XK[a:b], ragged_plan(n_PE, me, c.rows))
          for c, back_JD, n_PE, a, b in zip(parts, back, count_cPE, ends[:-1], ends[1:])]
   y, sent, later_sent = zip(*out)
@@ -405,7 +410,8 @@ def _within_node(recv_RD, ids_RK, weights_RK, valid_RK, w_eDm: tuple, axes: tupl
       y, n = later(w)
       return (acc[0] + y, acc[1] + n), None
 
-    (y_RD, extra), _ = jax.lax.scan(step, (y_RD, extra), jnp.arange(1, -(-R * K // W)))
+    with set_xla_metadata(**FURTHER):
+      (y_RD, extra), _ = jax.lax.scan(step, (y_RD, extra), jnp.arange(1, -(-R * K // W)))
     extra = extra + jnp.maximum(have - W, 0).astype(jnp.float32)
   return y_RD, extra
 
