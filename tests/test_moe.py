@@ -654,6 +654,41 @@ def test_two_stage_float8_dispatch_equals_the_one_stage_float8_dispatch():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_two_stage_sends_at_most_the_nodes_a_token_reaches():
+  """4 nodes of 2 devices, 16 experts (4 a node), every token's 3 experts on at most 2 nodes, as group-limited
+  routing guarantees: with reach = 2 each device sends and gets back 2·X rows across nodes (not 4·X, one per
+  node), and the output is still Σ_k w·SwiGLU_k(x) per copy (float64 NumPy), its gradients the one-stage
+  dispatch's."""
+  rng = np.random.default_rng(7)
+  E2, K2, node = 16, 3, 2
+  nodes = np.stack([rng.choice(4, 2, replace=False) for _ in range(NODE_SHARDS * X)])
+  idx = np.stack([rng.choice(np.concatenate([n * 4 + np.arange(4) for n in pair]), K2, replace=False)
+                  for pair in nodes]).astype(np.int32)
+  x, _, weights, *w = two_stage_inputs()
+  args = (x, idx, weights, *w)
+  sizes = set()
+
+  def recorded(operand, output, *rest, **kw):
+    if kw.get("axis_index_groups") and len(kw["axis_index_groups"][0]) == 4:  # the groups that span the nodes
+      sizes.add((operand.shape[0], output.shape[0]))
+    return grouped_ragged_all_to_all(operand, output, *rest, **kw)
+
+  rows = receive_rows(X, K2, NODE_SHARDS, capacity(X, K2, NODE_SHARDS, 2, None), 2.0)
+  fn = lambda x, idx, w, *ws: (lambda y, extra: (y, jax.lax.psum(extra, EXPERT_AXES)))(*experts.experts_two_stage(
+      x, idx, w, tuple(ws), EXPERT_AXES, NODE_SHARDS, node, rows, matmul="blocked", exchange=recorded, reach=2))
+  y, _ = on_node_mesh(fn, args)
+  assert {min(a, b) for a, b in sizes} == {2 * X} and {max(a, b) for a, b in sizes} == {4 * X}, sizes
+  y_ref = sum(weights[:, k, None] * numpy_swiglu(x, idx[:, k], *w) for k in range(K2))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  cotangent = np.random.default_rng(8).normal(size=y.shape).astype(np.float32)
+  cap = capacity(X, K2, NODE_SHARDS, 2, None)
+  one = lambda *a: (lambda y, kept, extra: (y, jax.lax.psum(extra.sum(), EXPERT_AXES)))(*experts_parallel_ragged(
+      *a, EXPERT_AXES, NODE_SHARDS, cap, receive_rows(X, K2, NODE_SHARDS, cap, 2.0), matmul="blocked",
+      exchange=grouped_ragged_all_to_all))
+  for a, b in zip(on_node_mesh(fn, args, cotangent), on_node_mesh(one, args, cotangent)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch):
   """Five training steps of tiny-v3 (group-limited routing: a token's experts lie in at most 2 of the 4 groups) on
   expert=8 as 2 nodes × 4 (mesh.devices_per_node=4), model.moe_dispatch=two_stage with the exchanges emulated:

@@ -49,7 +49,7 @@ from typing import Any
 from jaxseek.config import MESH_AXES
 from jaxseek.explore import layout as ex
 from jaxseek.explore import memory as em
-from jaxseek.sharding import compression, experts, gradsum
+from jaxseek.sharding import compression, exchange, experts, gradsum
 
 BATCH_AXES = ("data", "fsdp", "expert", "context")
 
@@ -431,19 +431,12 @@ def nodes_reached(cfg, P: int, g: int, samples: int = 8192) -> float:
 
 def group_reach(cfg, P: int, g: int) -> tuple[int, int] | None:
   """(shards, nodes) a token's experts can reach under group-limited routing (model.topk_method
-  group_limited_greedy or noaux_tc with n_group > 1: the `topk_group` best of `n_group` groups of experts), on P
-  expert shards of g to a node, experts laid out in order; None without it. DeepSeek-V3 on 64 shards: a group's
-  32 experts fill the 8 shards of one node, so a token reaches at most 4 nodes (its node-limited routing)."""
+  group_limited_greedy or noaux_tc with n_group > 1), on P expert shards of g to a node
+  (`exchange.group_reach`); None without it."""
   m = cfg.model
   if m.topk_method == "greedy" or m.n_group <= 1 or m.n_routed_experts % P:
     return None
-  per_group, per_shard = m.n_routed_experts // m.n_group, m.n_routed_experts // P
-  spans = []  # (shards, nodes) group k's experts lie on
-  for k in range(m.n_group):
-    lo, hi = k * per_group // per_shard, ((k + 1) * per_group - 1) // per_shard
-    spans.append((hi - lo + 1, hi // g - lo // g + 1))
-  widest = max(spans)
-  return min(P, m.topk_group * widest[0]), min(max(1, P // g), m.topk_group * max(n for _, n in spans))
+  return exchange.group_reach(m.n_routed_experts, m.n_group, m.topk_group, P, g)
 
 
 def shards_per_node(sizes: dict[str, int], hw: Hardware) -> int:

@@ -27,6 +27,18 @@ def capacity(tokens: int, k: int, shards: int, local_experts: int, factor: float
   return max(1, min(worst, math.ceil(factor * tokens * k / shards)))
 
 
+def group_reach(experts: int, n_group: int, topk_group: int, P: int, g: int) -> tuple[int, int]:
+  """(shards, nodes) one token's experts can lie on under group-limited routing (the `topk_group` best of
+  `n_group` groups of `experts`, laid out in order on P expert shards of g to a node). DeepSeek-V3 on 64 shards
+  of 8 to a node: a group's 32 experts fill one node's 8 shards, so a token reaches at most 4 nodes."""
+  per_group, per_shard = experts // n_group, experts // P
+  spans = []  # (shards, nodes) group k's experts lie on
+  for k in range(n_group):
+    lo, hi = k * per_group // per_shard, ((k + 1) * per_group - 1) // per_shard
+    spans.append((hi - lo + 1, hi // g - lo // g + 1))
+  return min(P, topk_group * max(spans)[0]), min(max(1, P // g), topk_group * max(n for _, n in spans))
+
+
 def send_slots(dest_J: jax.Array, shards: int, cap: int, valid_J: jax.Array | None = None) -> jax.Array:
   """Buffer slot of each copy: destination · C + its rank among that destination's copies; dropped: P·C. Copies
   of padding tokens (valid_J false) are dropped and rank after every real copy, so they take no capacity."""

@@ -50,9 +50,9 @@ from jaxseek.errors import UserError
 from jaxseek.kernels import choice, grouped
 from jaxseek.kernels.grouped import expert_ffn, experts_local
 from jaxseek.sharding import rules
-from jaxseek.sharding.exchange import (RaggedPlan, capacity, dispatch, kept_sorted, node_groups, ragged_plan,
-                                      rank_in_group, receive_rows, rounds_needed, send_order, send_slots,
-                                      zero_rows, zeros_like_round)
+from jaxseek.sharding.exchange import (RaggedPlan, capacity, dispatch, group_reach, kept_sorted, node_groups,
+                                      ragged_plan, rank_in_group, receive_rows, rounds_needed, send_order,
+                                      send_slots, zero_rows, zeros_like_round)
 
 # marks the ops of the further rounds (and windows) that run only when a shard receives more than its buffer, in
 # the compiled program: explore/overlap.py counts what runs every step without them
@@ -70,14 +70,24 @@ class Settings:
   fp8_dispatch: bool = False
   node: int | None = None  # expert shards per node where the expert axis spans nodes (None: one node)
   chunks: int = 1  # model.moe_overlap_chunks
+  # group-limited routing (experts, n_group, topk_group): bounds the nodes a token reaches; None: K bounds them
+  groups: tuple[int, int, int] | None = None
 
   @classmethod
   def from_config(cls, cfg: ModelConfig, node: int | None = None) -> "Settings":
     if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
       raise UserError(f"config key model.moe_capacity_factor: {cfg.moe_capacity_factor} must be > 0, or null "
                       f"for dropless dispatch")
+    limited = cfg.topk_method != "greedy" and cfg.n_group > 1
     return cls(cfg.moe_capacity_factor, cfg.moe_matmul, cfg.moe_dispatch, cfg.moe_recv_factor,
-               cfg.moe_dispatch_dtype == "float8_e4m3fn", node, cfg.moe_overlap_chunks)
+               cfg.moe_dispatch_dtype == "float8_e4m3fn", node, cfg.moe_overlap_chunks,
+               (cfg.n_routed_experts, cfg.n_group, cfg.topk_group) if limited else None)
+
+  def nodes_reached(self, shards: int, k: int) -> int:
+    """The most nodes one token's k experts lie on (two-stage dispatch on `shards` expert shards)."""
+    nodes = shards // self.node
+    bound = group_reach(*self.groups, shards, self.node)[1] if self.groups else nodes
+    return max(1, min(nodes, k, bound))
 
   def chunk_count(self, tokens: int) -> int:
     """How many independent exchanges a shard's `tokens` go through: model.moe_overlap_chunks, only for dropless
@@ -157,7 +167,8 @@ def exchanged(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settin
   if settings.two_stage(shards):
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
     y_xD, extra = experts_two_stage(x_xD, idx_xK, weights_xK, w_eDm, axes, shards, settings.node, rows,
-                                    matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X)
+                                    matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X,
+                                    reach=settings.nodes_reached(shards, K))
     return y_xD, none, extra
   if ragged and shards > 1:
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
@@ -327,12 +338,14 @@ class _Chunk(NamedTuple):
 
 def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, ...], shards: int, node: int,
                       rows: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
-                      exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None
-                      ) -> tuple[jax.Array, jax.Array]:
+                      exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None,
+                      reach: int | None = None) -> tuple[jax.Array, jax.Array]:
   """Node-limited dispatch on an expert axis of `shards` devices, `node` per node. Stage 1 (across nodes):
   each token's hidden state goes once to every node holding one of its experts, to the device of this device's
   local rank there, with its expert ids and gate weights on that node (`ragged_all_to_all` among the devices of
-  one local rank; at most one row per token and node, so N·X receive rows hold any routing). Stage 2 (within
+  one local rank; at most one row per token and node, so N·X receive rows hold any routing). A device sends
+  at most `reach`·X rows (`reach`: the most nodes one token's experts lie on, which the routing guarantees;
+  None: N), so its send and return buffers hold that many. Stage 2 (within
   the node): `experts_parallel_ragged` over the node's devices, which runs the experts and sums each row's
   weighted expert outputs there. The sums come back by stage 1's reverse, one row per token and node, and are
   added. With `fp8_dispatch` both stages send the tokens as e4m3 (the second rounding is exact: the same tiles
@@ -345,7 +358,8 @@ def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, .
   reach_XN = (jax.nn.one_hot(node_XK, N, dtype=jnp.bool_) & (True if valid_X is None else valid_X[:, None, None])
               ).any(1)
   key_S = jnp.where(reach_XN.T, jnp.arange(N)[:, None], N).reshape(-1)  # slot n·X + t: token t for node n
-  order_S = jnp.argsort(key_S, stable=True)
+  S = min(N, reach or N) * X  # what one device can send: the slots sorted by node hold every sent row first
+  order_S = jnp.argsort(key_S, stable=True)[:S]
   count_NN = jax.lax.all_gather(jnp.bincount(key_S, length=N + 1)[:N].astype(jnp.int32), axes,
                                 axis_index_groups=across)
   plan = ragged_plan(count_NN, rank_in_group(axes, across), N * X)
@@ -360,7 +374,7 @@ def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, .
                     plan.recv_sizes_E, axis_name=axes, axis_index_groups=across)
 
   def back(a, plan):
-    return exchange(a, zero_rows(a, N * X), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
+    return exchange(a, zero_rows(a, S), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
                     plan.send_sizes_E, axis_name=axes, axis_index_groups=across)
 
   recv_RD = dispatch(send, back, x_XD[token_S], plan, fp8_out=fp8_dispatch)
