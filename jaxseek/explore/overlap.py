@@ -197,9 +197,7 @@ def overlap(text: str, rates: Rates | None = None) -> dict[str, dict[str, float]
       continue
     for k, instruction in enumerate(instructions):
       kind = collective_kind(module, instruction)
-      always = FURTHER not in instruction["attrs"] + "".join(
-          i["attrs"] for key, c in callees(instruction) if instruction["opcode"] == "async-start"
-          for i in module.get(c, []))
+      always = (kind or instruction["opcode"] in KINDS) and _every_step(module, instruction)
       if kind is not None:
         row = out.setdefault(kind, _empty())
         nbytes, between = _pair(module, instructions, k, memo)
@@ -216,6 +214,14 @@ def overlap(text: str, rates: Rates | None = None) -> dict[str, dict[str, float]
         row["bytes"] += w * array_bytes(instruction["type"])
         row["always_bytes"] += always * w * array_bytes(instruction["type"])
   return out
+
+
+def _every_step(module, instruction: dict[str, Any]) -> bool:
+  """Whether a collective runs every step: not one of the dropless exchange's further rounds (marked on it, or
+  on the collective an async-start wraps)."""
+  wrapped = [i["attrs"] for _, c in callees(instruction) for i in module.get(c, [])] \
+      if instruction["opcode"] == "async-start" else []
+  return not any(FURTHER in attrs for attrs in (instruction["attrs"], *wrapped))
 
 
 def _pair(module, instructions: list[dict[str, Any]], k: int, memo: dict[str, bool]) -> tuple[int, list]:
