@@ -689,25 +689,29 @@ def test_two_stage_sends_at_most_the_nodes_a_token_reaches():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch, chunks):
   """Five training steps of tiny-v3 (group-limited routing: a token's experts lie in at most 2 of the 4 groups) on
-  expert=8 as 2 nodes × 4 (mesh.devices_per_node=4), model.moe_dispatch=two_stage with the exchanges emulated:
+  expert=8 as 2 nodes × 4 (mesh.devices_per_node=4), model.moe_dispatch=two_stage with the exchanges emulated,
+  also with each device's tokens in 2 chunks (model.moe_overlap_chunks=2, how DeepSeek-V3's layout fits):
   losses, gradient norms and correction biases are the single-device run's; the start-up line names it."""
   monkeypatch.setattr(experts.choice, "dispatch_kind", lambda setting, where=None: setting)
   monkeypatch.setattr(experts, "experts_two_stage", functools.partial(
       experts.experts_two_stage, exchange=grouped_ragged_all_to_all))
   calls = []
   real = experts.experts_two_stage
-  monkeypatch.setattr(experts, "experts_two_stage", lambda *a, **k: calls.append(a[5:7]) or real(*a, **k))
+  monkeypatch.setattr(experts, "experts_two_stage", lambda *a, **k: calls.append((*a[5:7], a[0].shape[0])) or
+                      real(*a, **k))
   cfg = load_config("tiny-v3", MOE_ONLY, "mesh.data=-1", "mesh.expert=8", "mesh.devices_per_node=4",
-                    "model.moe_dispatch=two_stage")
+                    "model.moe_dispatch=two_stage", f"model.moe_overlap_chunks={chunks}")
   mesh = make_mesh(cfg)
   assert experts.node_shards(mesh, 4) == 4
   assert "two-stage (node-limited) over expert=8 as 2 nodes × 4" in experts.dispatch_summary(
       cfg, dict(mesh.shape), "gpu", node=4)
   trainer, state = step_lib.init_state(cfg, mesh)
   state, records = run_steps(cfg, mesh, trainer, state, global_batches(cfg, mesh), STEPS)
-  assert calls and set(calls) == {(8, 4)}  # the two-stage exchange ran: 8 expert shards, 4 a node
+  # the two-stage exchange ran: 8 expert shards, 4 a node, a device's 48 tokens in `chunks` exchanges
+  assert set(calls) == {(8, 4, 48 // chunks)}, set(calls)
   ref = train_run("single")
   np.testing.assert_allclose([r["loss"] for r in records], ref["losses"], rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in records], ref["norms"], rtol=1e-5)
