@@ -58,6 +58,7 @@ from jaxseek.sharding.exchange import (RaggedPlan, capacity, dispatch, group_rea
 # the compiled program: explore/overlap.py counts what runs every step without them
 FURTHER = {"jaxseek_round": "further"}
 
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """How routed copies reach the experts: the model's moe_capacity_factor, moe_matmul, moe_dispatch,
