@@ -255,7 +255,10 @@ class TrainConfig:
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "save_dots", "minimal", "offload", "full"] = "none"  # what a layer keeps: model/remat.py
-  fp8: bool = False  # FP8 (e4m3, 1x128 / 128x128 scales) MLP and expert matmul inputs, emulated: kernels/fp8.py
+  # FP8 GEMMs of the attention, MLP and expert projections (kernels/fp8_gemm.py, docs/precision.md): false,
+  # true = auto (mxfp8 on sm_100, rowwise on sm_89/sm_90 and off GPUs), tensorwise, rowwise, mxfp8, or blockwise
+  # (DeepSeek's 1x128 / 128x128 scaling, emulated)
+  fp8: Literal["none", "auto", "tensorwise", "rowwise", "mxfp8", "blockwise"] | bool = False
   # the head and cross entropy: "chunked" over tokens (no float32 logits [B, T, V] in memory) or "full" (the
   # reference): model/loss.py
   loss_impl: Literal["chunked", "full"] = "chunked"

@@ -29,6 +29,7 @@ from jaxseek import input as input_lib
 from jaxseek import step as step_lib
 from jaxseek.errors import UserError, cli, writable_file
 from jaxseek.kernels import choice as kernels
+from jaxseek.kernels import fp8_gemm
 from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import rules
 
@@ -150,7 +151,7 @@ def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
   batches = input_lib.batches.eval_batches(cfg, mesh)  # data errors (vocabulary, folder) before the weights load
   with jax.set_mesh(mesh):
     model = load_pretrained(path, param_dtype=cfg.train.param_dtype, dtype=cfg.train.compute_dtype,
-                            fp8=cfg.train.fp8)
+                            fp8=fp8_gemm.resolve(cfg.train.fp8, *kernels.device_target(mesh.devices.flat[0])))
     graphdef, weights = nnx.split(model)
 
     def forward(weights, batch):

@@ -20,7 +20,7 @@ from jaxseek import model as model_lib
 from jaxseek import objective
 from jaxseek import optim
 from jaxseek.errors import UserError
-from jaxseek.kernels import choice, gpu
+from jaxseek.kernels import choice, fp8_gemm, gpu
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left, target_exists
@@ -141,10 +141,11 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
   check_setup(cfg, mesh, backend_checks)
 
   exchange = experts.Settings.from_config(cfg.model, experts.node_shards(mesh, cfg.mesh.devices_per_node))
+  fp8 = fp8_gemm.resolve(cfg.train.fp8, *choice.device_target(mesh.devices.flat[0]))
 
   def create() -> nnx.Module:
     return model_lib.build(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype,
-                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, fp8=cfg.train.fp8,
+                           dtype=cfg.train.compute_dtype, remat=cfg.train.remat, fp8=fp8,
                            run_stack=pipeline_lib.stack_runner(cfg), exchange=exchange)
 
   with jax.set_mesh(mesh):

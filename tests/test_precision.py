@@ -190,16 +190,26 @@ def test_fp8_scales_each_tile_on_its_own():
   assert np.all(per_tensor[0, 128:] == 0)
 
 
-def test_fp8_training_tracks_bfloat16():
-  base = ("mesh.data=1", "train.compute_dtype=bfloat16", "optim.warmup_steps=10", "optim.lr=0.003",
-          "data.source=python-stdlib", "data.max_bytes=1000000")
-  ref, _, _ = train("tiny-v3", base, steps=30, devices=jax.devices()[:1])
-  got, _, _ = train("tiny-v3", (*base, "train.fp8=true"), steps=30, devices=jax.devices()[:1])
-  a, b = losses(ref), losses(got)
-  assert not np.array_equal(a, b)  # the FP8 rounding is really applied
+FP8_BASE = ("mesh.data=1", "train.compute_dtype=bfloat16", "optim.warmup_steps=10", "optim.lr=0.003",
+            "data.source=python-stdlib", "data.max_bytes=1000000")
+
+
+@pytest.fixture(scope="module")
+def bf16_losses():
+  return losses(train("tiny-v3", FP8_BASE, steps=30, devices=jax.devices()[:1])[0])
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "mxfp8", "blockwise"])
+def test_fp8_training_tracks_bfloat16(recipe, bf16_losses):
+  """Each train.fp8 recipe trains a tiny V3 on real text to within DeepSeek's bound of the bfloat16 run (0.25%
+  relative loss error, DeepSeek-V3 §3.3) over its last 10 of 30 steps."""
+  a = bf16_losses
+  got, _, _ = train("tiny-v3", (*FP8_BASE, f"train.fp8={recipe}"), steps=30, devices=jax.devices()[:1])
+  b = losses(got)
+  assert not np.array_equal(a, b)  # the FP8 GEMMs really round
   assert b[-1] < 0.9 * b[0]  # it trains
-  print("fp8 vs bf16 loss, last 10 steps, max relative difference:", np.abs(b[-10:] / a[-10:] - 1).max())
-  np.testing.assert_allclose(b[-10:], a[-10:], rtol=2e-4)  # measured 1.4e-4 (docs/precision.md)
+  print(f"fp8 {recipe} vs bf16 loss, last 10 steps, max relative difference:", np.abs(b[-10:] / a[-10:] - 1).max())
+  np.testing.assert_allclose(b[-10:], a[-10:], rtol=2.5e-3)
 
 
 def test_remat_policies_order_compiled_memory_as_the_explorer_predicts():

@@ -33,11 +33,11 @@ ITEMS = {"params": nnx.Param, "biases": RouterBias}
 
 
 def load_pretrained(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32",
-                    fp8: bool = False) -> Transformer:
+                    fp8: str | None = None) -> Transformer:
   """The model of a Hugging Face folder (config.json + safetensors), a jaxseek checkpoint folder (a run directory
 or a converted checkpoint: its latest step) or one step of it (<dir>/checkpoints/<step>), weights loaded.
 
-  `fp8`: the model rounds its MLP and expert matmul inputs as FP8 training does (train.fp8).
+  `fp8`: the train.fp8 recipe the model runs its projections under (kernels/fp8_gemm.resolve gives it).
   `model(tokens_BT)` returns float32 logits [B, T, V]. Under `jax.set_mesh(mesh)` every weight is placed
   directly on its shards (the sharding rules of jaxseek.sharding.rules); otherwise on the default device.
   """
@@ -68,7 +68,7 @@ def hf_model_config(folder: hf.Folder) -> ModelConfig:
 
 
 def from_hf(folder: hf.Folder, *, param_dtype: str = "float32", dtype: str = "float32",
-            fp8: bool = False) -> Transformer:
+            fp8: str | None = None) -> Transformer:
   """Builds the model of an HF folder and streams its tensors into the Variables, one Variable at a time."""
   cfg = hf_model_config(folder)
   mesh = _active_mesh()
@@ -147,7 +147,7 @@ def _not_ocdbt_merge(record: logging.LogRecord) -> bool:
 
 
 def from_checkpoint(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32",
-                    step: int | None = None, fp8: bool = False) -> tuple[Transformer, config_lib.Config, int]:
+                    step: int | None = None, fp8: str | None = None) -> tuple[Transformer, config_lib.Config, int]:
   """The model of a jaxseek checkpoint folder at `step` (None: its latest), restored straight onto the active
   mesh."""
   import orbax.checkpoint as ocp

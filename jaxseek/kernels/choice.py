@@ -27,18 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxseek.errors import UserError
-from jaxseek.kernels import flash
-from jaxseek.kernels.gpu import has_tokamax
+from jaxseek.kernels import flash, fp8_gemm
+from jaxseek.kernels.gpu import has_tokamax, platform  # noqa: F401 (callers ask choice.platform())
 
 GPU_ATTENTION = ("mosaic", "triton", "cudnn")
 GPU_MATMUL = {"tokamax": "mosaic", "tokamax_triton": "triton"}
-
-
-def platform() -> str:
-  """'cpu', 'gpu' or 'tpu': the platform of the active mesh's devices, else of the default backend."""
-  mesh = jax.sharding.get_abstract_mesh()
-  name = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-  return "gpu" if name in ("cuda", "rocm", "gpu") else name
 
 
 def compiler_options(cfg, where: str | None = None) -> dict[str, bool]:
@@ -222,6 +215,8 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
     gemm = matmul_kind(m.moe_matmul, where, t.compute_dtype, installed, cc, expert_dims(cfg, tensor))
     parts.append(f"expert GEMM {gemm} ({LABELS['blocked_matmul' if gemm == 'blocked' else gemm]})")
   parts.append(f"loss {t.loss_impl} ({LABELS[t.loss_impl]})")
+  if (recipe := fp8_gemm.resolve(t.fp8, where, cc)) is not None:
+    parts.append(f"FP8 {recipe} ({fp8_gemm.LABELS[recipe]}; routed experts blockwise, emulated)")
   if where == "gpu":
     parts.append(f"XLA latency-hiding scheduler {'on' if t.latency_hiding else 'off'}")
   line = f"kernels on {where if where != 'gpu' else sm(cc)}: " + " | ".join(parts)

@@ -11,6 +11,13 @@ import jax.numpy as jnp
 from jaxseek.errors import UserError
 
 
+def platform() -> str:
+  """'cpu', 'gpu' or 'tpu': the platform of the active mesh's devices, else of the default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  name = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+  return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
 def has_tokamax() -> bool:
   """Whether tokamax (the GPU kernels: pip install -e '.[gpu]') is installed."""
   try:

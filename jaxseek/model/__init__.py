@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseek.config import ModelConfig
+from jaxseek.kernels import fp8_gemm
 from jaxseek.model.transformer import RunStack, Transformer
 from jaxseek.sharding import experts
 
@@ -25,13 +26,15 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def build(cfg: ModelConfig, *, seed: int = 0, param_dtype: str = "float32", dtype: str = "float32",
-          remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None,
+          remat: str = "none", fp8: str | None = None, run_stack: RunStack | None = None,
           exchange: experts.Settings | None = None) -> Transformer:
   """Builds the model with freshly initialised parameters (wrap in nnx.eval_shape to allocate nothing).
   `run_stack` runs each layer stack where it returns a result (a pipeline schedule: pipeline.stages.stack_runner,
-  which expects the stacks in its storage order), else the stack's own lax.scan; `fp8` rounds the MLP and
-  expert matmul inputs as FP8 training does (kernels/fp8.py); `exchange`: how the MoE layers exchange token
+  which expects the stacks in its storage order), else the stack's own lax.scan; `fp8`: the train.fp8 recipe
+  of the projections' GEMMs (kernels/fp8_gemm.py; `resolve` turns a setting into one for a device); `exchange`: how the MoE layers exchange token
   copies on the mesh (default: from cfg, all expert shards in one node)."""
+  if fp8 not in (None, *fp8_gemm.RECIPES):
+    raise ValueError(f"fp8={fp8!r}: the model takes a recipe (kernels/fp8_gemm.resolve gives it for a device)")
   return Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=DTYPES[param_dtype], dtype=DTYPES[dtype], remat=remat,
                      fp8=fp8, run_stack=run_stack, exchange=exchange)
 

@@ -7,12 +7,15 @@ every other implementation is tested against.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxseek.config import ModelConfig
+from jaxseek.kernels import fp8_gemm
 from jaxseek.kernels.attention import attend
 from jaxseek.model.layers import RMSNorm, param
 from jaxseek.model.rope import apply_rope, inverse_frequencies, softmax_scale_factor
@@ -29,7 +32,7 @@ def rope_tables(dim: int, cfg: ModelConfig) -> tuple[tuple[float, ...], float]:
 class Attention(nnx.Module):
   """Multi-head (G = N) or grouped-query (G < N) attention with RoPE on the whole head."""
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: str | None = None):
     D, N, G, H = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.dense_head_dim
     std = cfg.initializer_range
     self.w_q_DNH = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype, std)
@@ -41,25 +44,28 @@ class Attention(nnx.Module):
     self.ring, self.zigzag = cfg.context_attention in ("ring", "zigzag"), cfg.context_attention == "zigzag"
     self.impl = cfg.attention_impl
     self.dtype = dtype
+    self.fp8 = fp8  # the projections' GEMMs under this train.fp8 recipe (kernels/fp8_gemm.py)
+
+  def proj(self, spec: str, x: jax.Array, p) -> jax.Array:
+    """A projection of x by the weight `p` in the compute dtype, its GEMMs in FP8 under a train.fp8 recipe."""
+    return fp8_gemm.einsum(spec, x, p[...].astype(self.dtype), self.fp8)
 
   def project(self, x_BTD, positions_BT):
     """Queries [B, T, N, H] and keys [B, T, G, H] (both with RoPE) and values [B, T, G, H]."""
-    w = lambda p: p[...].astype(self.dtype)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, w(self.w_q_DNH))
-    k_BTGH = jnp.einsum("BTD,DGH->BTGH", x_BTD, w(self.w_k_DGH))
-    v_BTGH = jnp.einsum("BTD,DGH->BTGH", x_BTD, w(self.w_v_DGH))
+    q_BTNH = self.proj("BTD,DNH->BTNH", x_BTD, self.w_q_DNH)
+    k_BTGH = self.proj("BTD,DGH->BTGH", x_BTD, self.w_k_DGH)
+    v_BTGH = self.proj("BTD,DGH->BTGH", x_BTD, self.w_v_DGH)
     q_BTNH = shard(apply_rope(q_BTNH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "heads", None))
     k_BTGH = shard(apply_rope(k_BTGH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "kv_heads", None))
     return q_BTNH, k_BTGH, v_BTGH
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
-    w = lambda p: p[...].astype(self.dtype)
     q_BTNH, k_BTGH, v_BTGH = self.project(x_BTD, positions_BT)
     if self.ring and context.split_over_context():
       out_BTNH = context.gqa_ring_attention(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale, self.zigzag)
     else:
       out_BTNH = attend(q_BTNH, k_BTGH, v_BTGH, segment_ids_BT, self.scale, impl=self.impl)
-    return jnp.einsum("BTNH,NHD->BTD", out_BTNH, w(self.w_o_NHD))
+    return self.proj("BTNH,NHD->BTD", out_BTNH, self.w_o_NHD)
 
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's RMSNorm default, used for MLA's q and kv latents
@@ -77,7 +83,7 @@ class MLA(nnx.Module):
   transformers build them (`LATENT_NORM_EPS`).
   """
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: str | None = None):
     D, N = cfg.hidden_size, cfg.num_attention_heads
     H, R, P, C, Q = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
     std, eps = cfg.initializer_range, LATENT_NORM_EPS
@@ -101,20 +107,22 @@ class MLA(nnx.Module):
     self.ring, self.zigzag = cfg.context_attention in ("ring", "zigzag"), cfg.context_attention == "zigzag"
     self.impl = cfg.attention_impl
     self.dtype = dtype
+    self.fp8 = fp8  # the projections' GEMMs under this train.fp8 recipe (kernels/fp8_gemm.py)
+
+  proj = Attention.proj
 
   def project(self, x_BTD, positions_BT):
     """The no-position queries [B, T, N, H], RoPE queries [B, T, N, R], the latent c_kv [B, T, C] and the shared
     RoPE key [B, T, 1, R]."""
-    w = lambda p: p[...].astype(self.dtype)
     if self.q_lora:
-      cq_BTQ = checkpoint_name(self.q_norm(jnp.einsum("BTD,DQ->BTQ", x_BTD, w(self.w_dq_DQ))), "q_latent")
-      q_BTNH = jnp.einsum("BTQ,QNH->BTNH", cq_BTQ, w(self.w_uq_QNH))
-      qr_BTNR = jnp.einsum("BTQ,QNR->BTNR", cq_BTQ, w(self.w_uqr_QNR))
+      cq_BTQ = checkpoint_name(self.q_norm(self.proj("BTD,DQ->BTQ", x_BTD, self.w_dq_DQ)), "q_latent")
+      q_BTNH = self.proj("BTQ,QNH->BTNH", cq_BTQ, self.w_uq_QNH)
+      qr_BTNR = self.proj("BTQ,QNR->BTNR", cq_BTQ, self.w_uqr_QNR)
     else:
-      q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, w(self.w_q_DNH))
-      qr_BTNR = jnp.einsum("BTD,DNR->BTNR", x_BTD, w(self.w_qr_DNR))
-    ckv_BTC = checkpoint_name(self.kv_norm(jnp.einsum("BTD,DC->BTC", x_BTD, w(self.w_dkv_DC))), "kv_latent")
-    kr_BT1R = jnp.einsum("BTD,DR->BTR", x_BTD, w(self.w_kr_DR))[:, :, None, :]
+      q_BTNH = self.proj("BTD,DNH->BTNH", x_BTD, self.w_q_DNH)
+      qr_BTNR = self.proj("BTD,DNR->BTNR", x_BTD, self.w_qr_DNR)
+    ckv_BTC = checkpoint_name(self.kv_norm(self.proj("BTD,DC->BTC", x_BTD, self.w_dkv_DC)), "kv_latent")
+    kr_BT1R = self.proj("BTD,DR->BTR", x_BTD, self.w_kr_DR)[:, :, None, :]
     qr_BTNR = apply_rope(qr_BTNR, positions_BT, self.inv_freq, self.rope_factor)
     kr_BT1R = apply_rope(kr_BT1R, positions_BT, self.inv_freq, self.rope_factor)
     return q_BTNH, qr_BTNR, ckv_BTC, kr_BT1R
@@ -125,25 +133,26 @@ class MLA(nnx.Module):
     q_BTNK = shard(jnp.concatenate([q_BTNH, qr_BTNR], -1), ("batch", "length", "heads", None))
     if context.split_over_context():
       out_BTNP = context.latent_attention(q_BTNK, (ckv_BTC, kr_BT1R), (w(self.w_uk_CNH), w(self.w_uv_CNP)),
-                                          expand_latent, segment_ids_BT, self.scale, ring=self.ring,
-                                          zigzag=self.zigzag, impl=self.impl)
-      return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
+                                          functools.partial(expand_latent, fp8=self.fp8), segment_ids_BT,
+                                          self.scale, ring=self.ring, zigzag=self.zigzag, impl=self.impl)
+      return self.proj("BTNP,NPD->BTD", out_BTNP, self.w_o_NPD)
     # (S: the whole length; without a context axis it is T)
     ckv_BSC = shard(ckv_BTC, ("batch", None, None))
     kr_BS1R = shard(kr_BT1R, ("batch", None, None, None))
-    k_BSNK, v_BSNP = expand_latent(ckv_BSC, kr_BS1R, w(self.w_uk_CNH), w(self.w_uv_CNP))
+    k_BSNK, v_BSNP = expand_latent(ckv_BSC, kr_BS1R, w(self.w_uk_CNH), w(self.w_uv_CNP), self.fp8)
     k_BSNK, v_BSNP = (shard(a, ("batch", None, "heads", None)) for a in (k_BSNK, v_BSNP))
     out_BTNP = attend(q_BTNK, k_BSNK, v_BSNP, segment_ids_BT, self.scale, impl=self.impl)
-    return jnp.einsum("BTNP,NPD->BTD", out_BTNP, w(self.w_o_NPD))
+    return self.proj("BTNP,NPD->BTD", out_BTNP, self.w_o_NPD)
 
 
-def expand_latent(ckv_BSC, kr_BS1R, w_uk_CNH, w_uv_CNP) -> tuple[jax.Array, jax.Array]:
-  """MLA's keys [B, S, N, H + R] (the up-projected latent and the shared rope key) and values [B, S, N, P]."""
-  k_BSNH = jnp.einsum("BSC,CNH->BSNH", ckv_BSC, w_uk_CNH)
+def expand_latent(ckv_BSC, kr_BS1R, w_uk_CNH, w_uv_CNP, fp8: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """MLA's keys [B, S, N, H + R] (the up-projected latent and the shared rope key) and values [B, S, N, P];
+  `fp8`: the up-projections' train.fp8 recipe."""
+  k_BSNH = fp8_gemm.einsum("BSC,CNH->BSNH", ckv_BSC, w_uk_CNH, fp8)
   kr_BSNR = jnp.broadcast_to(kr_BS1R, (*k_BSNH.shape[:3], kr_BS1R.shape[-1]))
-  return jnp.concatenate([k_BSNH, kr_BSNR], -1), jnp.einsum("BSC,CNP->BSNP", ckv_BSC, w_uv_CNP)
+  return jnp.concatenate([k_BSNH, kr_BSNR], -1), fp8_gemm.einsum("BSC,CNP->BSNP", ckv_BSC, w_uv_CNP, fp8)
 
 
-def make_attention(cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs) -> nnx.Module:
+def make_attention(cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: str | None = None) -> nnx.Module:
   cls = MLA if cfg.is_mla else Attention
-  return cls(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+  return cls(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)

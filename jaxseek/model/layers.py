@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxseek.kernels import fp8
+from jaxseek.kernels import fp8_gemm
 from jaxseek.sharding.rules import shard
 
 
@@ -51,17 +51,17 @@ class Embed(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(x·W_gate) ⊙ x·W_up)."""
 
-  def __init__(self, dim: int, hidden: int, std: float, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False):
+  def __init__(self, dim: int, hidden: int, std: float, *, param_dtype, dtype, rngs: nnx.Rngs,
+               fp8: str | None = None):
     self.w_gate_DF = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype, std)
     self.w_up_DF = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype, std)
     self.w_down_FD = param(rngs, (hidden, dim), ("mlp", "embed"), param_dtype, std)
     self.dtype = dtype
-    self.fp8 = fp8  # matmul inputs rounded as FP8 training does (kernels/fp8.py)
+    self.fp8 = fp8  # the GEMMs under this train.fp8 recipe (kernels/fp8_gemm.py)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    act, w = (fp8.tiles, fp8.blocks) if self.fp8 else (lambda a: a, lambda a: a)
-    x_BTD = act(x_BTD)
-    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w(self.w_gate_DF[...].astype(self.dtype)))
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w(self.w_up_DF[...].astype(self.dtype)))
-    h_BTF = shard(act(jax.nn.silu(gate_BTF) * up_BTF), ("batch", "length", "mlp"))
-    return jnp.einsum("BTF,FD->BTD", h_BTF, w(self.w_down_FD[...].astype(self.dtype)))
+    proj = lambda spec, x, p: fp8_gemm.einsum(spec, x, p[...].astype(self.dtype), self.fp8)
+    gate_BTF = proj("BTD,DF->BTF", x_BTD, self.w_gate_DF)
+    up_BTF = proj("BTD,DF->BTF", x_BTD, self.w_up_DF)
+    h_BTF = shard(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "length", "mlp"))
+    return proj("BTF,FD->BTD", h_BTF, self.w_down_FD)

@@ -178,7 +178,7 @@ def balance_loss(counts_BE: jax.Array, score_sums_BE: jax.Array, tokens_B: jax.A
 class MoE(nnx.Module):
   """Routed experts (dropless unless a capacity factor is set) plus always-on shared experts."""
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False,
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: str | None = None,
                exchange: experts.Settings | None = None):
     D, E, M = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     std = cfg.initializer_range
@@ -190,7 +190,7 @@ class MoE(nnx.Module):
     self.w_down_EMD = param(rngs, (E, M, D), ("experts", "expert_mlp", "embed"), param_dtype, std)
     self.shared = MLP(D, M * cfg.n_shared_experts, std, param_dtype=param_dtype, dtype=dtype, rngs=rngs,
                       fp8=fp8) if cfg.n_shared_experts else None
-    self.fp8 = fp8
+    self.fp8 = fp8  # a train.fp8 recipe: the routed experts' inputs rounded as DeepSeek's blockwise recipe does
     self.routing = Routing.from_config(cfg)
     self.exchange = exchange or experts.Settings.from_config(cfg)  # the mesh's nodes: step.py's
     self.dtype = dtype

@@ -30,11 +30,11 @@ RunStack = Callable[..., "tuple[jax.Array, dict] | None"]
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)) with a dense MLP or the MoE."""
 
-  def __init__(self, cfg: ModelConfig, moe: bool, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False,
+  def __init__(self, cfg: ModelConfig, moe: bool, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: str | None = None,
                exchange: experts.Settings | None = None):
     D, eps = cfg.hidden_size, cfg.rms_norm_eps
     self.attn_norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
-    self.attn = make_attention(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+    self.attn = make_attention(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
     self.mlp_norm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
     if moe:
       self.mlp = MoE(cfg, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8, exchange=exchange)
@@ -71,7 +71,7 @@ class Stack(nnx.Module):
   `run_stack`, where it takes the stack: body(x_BTD, layer_state, side) → (x_BTD, aux) over the layers)."""
 
   def __init__(self, cfg: ModelConfig, num_layers: int, moe: bool, *, param_dtype, dtype, remat: str,
-               rngs: nnx.Rngs, fp8: bool = False, run_stack: RunStack | None = None,
+               rngs: nnx.Rngs, fp8: str | None = None, run_stack: RunStack | None = None,
                exchange: experts.Settings | None = None):
 
     @nnx.split_rngs(splits=num_layers)
@@ -110,7 +110,7 @@ class MTPLayer(nnx.Module):
   shared head, as in DeepSeek-V3's checkpoint layout `shared_head.norm`).
   """
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: bool = False,
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs, fp8: str | None = None,
                exchange: experts.Settings | None = None):
     D, eps, std = cfg.hidden_size, cfg.rms_norm_eps, cfg.initializer_range
     self.enorm = RMSNorm(D, eps, param_dtype=param_dtype, rngs=rngs)
@@ -146,7 +146,7 @@ class Transformer(nnx.Module):
   """The DeepSeek language model: embedding, dense stack, MoE stack, final norm, head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-               remat: str = "none", fp8: bool = False, run_stack: RunStack | None = None,
+               remat: str = "none", fp8: str | None = None, run_stack: RunStack | None = None,
                exchange: experts.Settings | None = None):
     D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
     kw = dict(param_dtype=param_dtype, dtype=dtype, remat=remat, rngs=rngs, fp8=fp8, run_stack=run_stack,
