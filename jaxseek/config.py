@@ -280,6 +280,11 @@ class TrainConfig:
   # GPU: XLA's latency-hiding scheduler orders the compiled step so that each collective runs beside compute it
   # does not wait for (false: XLA's default order, which minimises memory and runs every collective exposed)
   latency_hiding: bool = True
+  # GPU: the memory the latency-hiding scheduler plans within, in % of XLA's limit (80% of the device less the
+  # step's arguments; xla_gpu_memory_limit_slop_factor). Above it the scheduler orders for memory and overlaps
+  # little, and its own estimate of a pipelined MoE step's peak runs about twice the compiled one: on such a
+  # step try 200 and read the compiled memory first (python -m jaxseek.explore ... --compile --target)
+  latency_hiding_memory: int = 95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,6 +658,9 @@ def _check_optim(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
   t = cfg.train
+  if t.latency_hiding_memory < 1:
+    raise UserError(f"config key train.latency_hiding_memory: {t.latency_hiding_memory} must be ≥ 1 (% of XLA's "
+                    f"memory limit; XLA's default is 95)")
   if t.powersgd_rank < 1:
     raise UserError(f"config key train.powersgd_rank: {t.powersgd_rank} must be ≥ 1 (4 is a good start)")
   if t.powersgd_start_step < 0:

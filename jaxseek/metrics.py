@@ -24,6 +24,26 @@ PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "h800": 989.0, "a100": 312.0, "a800
                "gh200": 989.0, "b200": 2250.0}
 
 
+def _matrices(abstract_params: nnx.State):
+  """(path names, logical axes, size) of every weight matrix (two or more axes besides `layers`)."""
+  for path, var in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    names = var.get_metadata()["logical_axes"]
+    if sum(n != "layers" for n in names) >= 2:
+      yield [str(getattr(k, "key", k)) for k in path], names, math.prod(var.shape)
+
+
+def recipe_flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
+  """The part of `flops_per_token` FP8 training runs in FP8 (train.fp8): the attention and MLP projections, shared
+  and routed experts (K/E of them), forward and both gradients; not the embedding, the head, the router or the
+  attention scores."""
+  m = cfg.model
+  active = 0.0
+  for keys, names, size in _matrices(abstract_params):
+    if ("attn" in keys or "mlp" in keys or "shared" in keys) and not any(k.startswith("w_router") for k in keys):
+      active += size * (m.num_experts_per_tok / m.n_routed_experts if "experts" in names else 1)
+  return 3 * 2 * active
+
+
 def flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
   """Training FLOPs per token = 3 × forward, forward = 2 × active matmul parameters + attention.
 
@@ -33,11 +53,9 @@ def flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
   """
   m = cfg.model
   active = 0.0
-  for path, var in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-    names = var.get_metadata()["logical_axes"]
-    if sum(n != "layers" for n in names) < 2 or any(getattr(k, "key", None) == "table_VD" for k in path):
+  for keys, names, size in _matrices(abstract_params):
+    if "table_VD" in keys:
       continue
-    size = math.prod(var.shape)
     if "experts" in names:
       size *= m.num_experts_per_tok / m.n_routed_experts
     active += size

@@ -230,7 +230,10 @@ def test_aligned_compiles_with_the_options_given():
   with pytest.raises(Exception, match="xla_no_such_option"):
     step(jnp.ones(3))
   cfg = load_config("tiny-dense")
-  assert choice.compiler_options(cfg, "gpu") == {"xla_gpu_enable_latency_hiding_scheduler": True}
+  assert choice.compiler_options(cfg, "gpu") == {"xla_gpu_enable_latency_hiding_scheduler": True,
+                                                 "xla_gpu_memory_limit_slop_factor": 95}
+  roomy = load_config("tiny-dense", "train.latency_hiding_memory=200")
+  assert choice.compiler_options(roomy, "gpu")["xla_gpu_memory_limit_slop_factor"] == 200
   off = load_config("tiny-dense", "train.latency_hiding=false")
   assert choice.compiler_options(off, "gpu") == {"xla_gpu_enable_latency_hiding_scheduler": False}
   assert choice.compiler_options(cfg, "cpu") == {}

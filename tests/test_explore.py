@@ -715,3 +715,78 @@ def test_group_limited_routing_bounds_the_nodes_a_token_reaches():
   assert comm.group_reach(cfg, 64, 4) == (32, 8)  # a group spans 2 nodes of 4 shards
   greedy = load_config("deepseek-v3-671b", "model.topk_method=greedy")
   assert comm.group_reach(greedy, 64, 8) is None
+
+
+def test_fp8_gemms_are_timed_at_the_float8_peak():
+  """train.fp8: the attention and MLP projections' FLOPs (forward and both gradients: 6 per weight element and
+  token) run at the GPU's float8 peak, the head and attention scores at its bfloat16 peak; the emulated
+  blockwise recipe and a GPU without FP8 (explorer plans refuse it) keep everything at bfloat16."""
+  from jaxseek.explore import comm
+
+  def compute(*overrides, device="h100-80g"):
+    cfg = load_config("tiny-dense", "mesh.data=1", *overrides)
+    return comm.compute_seconds(explore.describe(cfg), explore.mesh_sizes(cfg, 1), explore.hardware(device))
+
+  m = load_config("tiny-dense").model
+  D, F, N, G, H, L = (m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads,
+                      m.head_dim, m.num_hidden_layers)
+  per_token = 6 * L * (D * N * H * 2 + 2 * D * G * H + 3 * D * F)  # q, o, k, v, then gate, up, down
+  tokens = 16 * 24
+  bf16, fp8, blockwise = compute(), compute("train.fp8=true"), compute("train.fp8=blockwise")
+  assert fp8["fp8_flops_per_device"] == pytest.approx(per_token * tokens)
+  assert fp8["time_s"] == pytest.approx((bf16["flops_per_device"] - per_token * tokens) / 989e12
+                                        + per_token * tokens / 1979e12)
+  assert fp8["time_at_bf16_s"] == pytest.approx(bf16["time_s"])
+  assert blockwise["time_s"] == pytest.approx(bf16["time_s"]) and not blockwise["fp8_flops_per_device"]
+  with pytest.raises(UserError, match="sm_89 or later"):
+    compute("train.fp8=true", device="a100-80g")
+
+
+def test_the_compiled_fp8_share_counts_the_recipes_gemms_by_name_and_operand_type():
+  """explore/compile.matmul_flops on a hand-written module: a float8 projection inside a GEMM fusion in a loop
+  of 3 trips, its bfloat16 gradient, a float8 grouped expert GEMM (custom call) and the head's bfloat16 dot; the
+  recipe's GEMMs are the projections and experts (by their names), the head counts only in all."""
+  hlo = """HloModule m, is_scheduled=true
+
+%gemm (p0: f8e4m3fn[64,128], p1: f8e4m3fn[128,32]) -> f32[64,32] {
+  %p0 = f8e4m3fn[64,128]{1,0} parameter(0)
+  %p1 = f8e4m3fn[128,32]{1,0} parameter(1)
+  ROOT %d = f32[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/fp8_rowwise/BTD,DF->BTF/dot_general"}
+}
+
+%body (t: (s32[], f8e4m3fn[64,128], f8e4m3fn[128,32])) -> (s32[], f8e4m3fn[64,128], f8e4m3fn[128,32]) {
+  %t = (s32[], f8e4m3fn[64,128]{1,0}, f8e4m3fn[128,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f8e4m3fn[64,128]{1,0} get-tuple-element(%t), index=1
+  %w = f8e4m3fn[128,32]{1,0} get-tuple-element(%t), index=2
+  %y = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm
+  ROOT %r = (s32[], f8e4m3fn[64,128]{1,0}, f8e4m3fn[128,32]{1,0}) tuple(%i, %x, %w)
+}
+
+%cond (c: (s32[], f8e4m3fn[64,128], f8e4m3fn[128,32])) -> pred[] {
+  %c = (s32[], f8e4m3fn[64,128]{1,0}, f8e4m3fn[128,32]{1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (a: f8e4m3fn[64,128], b: f8e4m3fn[128,32], g: bf16[64,32], v: bf16[128,1000], e: f8e4m3fn[4,128,32], bw: bf16[128,32]) -> bf16[64,128] {
+  %a = f8e4m3fn[64,128]{1,0} parameter(0)
+  %b = f8e4m3fn[128,32]{1,0} parameter(1)
+  %g = bf16[64,32]{1,0} parameter(2)
+  %v = bf16[128,1000]{1,0} parameter(3)
+  %e = f8e4m3fn[4,128,32]{2,1,0} parameter(4)
+  %z = s32[] constant(0)
+  %init = (s32[], f8e4m3fn[64,128]{1,0}, f8e4m3fn[128,32]{1,0}) tuple(%z, %a, %b)
+  %loop = (s32[], f8e4m3fn[64,128]{1,0}, f8e4m3fn[128,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %bw = bf16[128,32]{1,0} parameter(5)
+  %dx = bf16[64,128]{1,0} dot(%g, %bw), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(step)/transpose(jvp(BTD,DF->BTF))/dot_general"}
+  %ex = f32[64,32]{1,0} custom-call(%a, %e), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/routed_experts/RD,EDM->RM/tokamax"}
+  %xh = bf16[64,128]{1,0} convert(%a)
+  %head = bf16[64,1000]{1,0} dot(%xh, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/BcD,DV->BcV/dot_general"}
+  ROOT %out = bf16[64,128]{1,0} add(%dx, %dx)
+}
+"""
+  got = explore_compile.matmul_flops(hlo)
+  projection, gradient, expert, head = 3 * 2 * 64 * 32 * 128, 2 * 64 * 128 * 32, 2 * 64 * 32 * 128, 2 * 64 * 1000 * 128
+  assert got["recipe"] == projection + gradient + expert
+  assert got["recipe_f8"] == projection + expert
+  assert got["all"] == got["recipe"] + head and got["all_f8"] == got["recipe_f8"]

@@ -199,7 +199,7 @@ def bf16_losses():
   return losses(train("tiny-v3", FP8_BASE, steps=30, devices=jax.devices()[:1])[0])
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "blockwise"])  # auto's two and the reference
 def test_fp8_training_tracks_bfloat16(recipe, bf16_losses):
   """Each train.fp8 recipe trains a tiny V3 on real text to within DeepSeek's bound of the bfloat16 run (0.25%
   relative loss error, DeepSeek-V3 §3.3) over its last 10 of 30 steps."""

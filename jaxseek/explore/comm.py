@@ -66,6 +66,7 @@ class Hardware:
   devices_per_node: int = 8
   usable_fraction: float = 0.9  # of memory_bytes, leaving room for XLA's workspace and fragmentation
   capability: float = 9.0  # CUDA compute capability: which kernels `auto` picks (kernels/choice.py)
+  fp8_tflops: float | None = None  # dense float8 peak (None: no FP8 GEMMs): train.fp8's GEMMs run at it
 
   def link(self, axis: str, sizes: dict[str, int]) -> str:
     inner = math.prod(sizes[a] for a in MESH_AXES[MESH_AXES.index(axis):])
@@ -541,11 +542,11 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
   from jaxseek.pipeline import stages as pipeline_lib
 
   cfg = model.cfg
-  flops = model.flops_per_token * cfg.train.batch_size * cfg.train.seq_len
-  if cfg.train.remat == "full":
-    flops *= 4 / 3  # the forward runs twice
-  per_device = flops / math.prod(sizes.values())
-  seconds = per_device / (hw.peak_tflops * 1e12)
+  tokens = cfg.train.batch_size * cfg.train.seq_len / math.prod(sizes.values())
+  rerun = 4 / 3 if cfg.train.remat == "full" else 1.0  # the forward runs twice
+  per_device = model.flops_per_token * tokens * rerun
+  fp8 = model.recipe_flops_per_token * tokens * rerun if fp8_runs(cfg, hw) else 0.0
+  seconds = (per_device - fp8) / (hw.peak_tflops * 1e12) + (fp8 / (hw.fp8_tflops * 1e12) if fp8 else 0.0)
   S, M, m = sizes["pipeline"], cfg.train.microbatches, cfg.model
   bubble = 0.0
   one_f_one_b = cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
@@ -563,7 +564,17 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
       else:
         stretch = 1 / (1 - pipeline_lib.bubble(cfg.train.pipeline_schedule, S, M, R))
       bubble += seconds * share * (stretch * padded - 1)
-  return {"flops_per_device": per_device, "time_s": seconds, "bubble_s": bubble}
+  return {"flops_per_device": per_device, "fp8_flops_per_device": fp8, "time_s": seconds, "bubble_s": bubble,
+          "time_at_bf16_s": seconds * per_device / (per_device - fp8 + fp8 * hw.peak_tflops / hw.fp8_tflops)
+          if fp8 else seconds}
+
+
+def fp8_runs(cfg, hw: Hardware) -> bool:
+  """Whether train.fp8 runs float8 GEMMs on `hw` (blockwise is emulated in the compute dtype)."""
+  from jaxseek.kernels import fp8_gemm
+
+  recipe = fp8_gemm.resolve(cfg.train.fp8, "gpu", hw.capability)
+  return recipe not in (None, "blockwise") and bool(hw.fp8_tflops)
 
 
 def step_seconds(compute: dict[str, float], comm: dict[str, list[dict[str, Any]]]) -> float:

@@ -163,3 +163,40 @@ def gradient_reduction_bytes(collectives: dict[str, dict[str, float]]) -> float:
   batch = ("pipeline", "data", "fsdp", "expert", "context")
   return sum(b for kind in ("all-reduce", "reduce-scatter") for axes, b in collectives.get(kind, {}).items()
              if any(a in batch for a in axes.split("+")))
+
+
+OP_NAME = re.compile(r'op_name="([^"]*)"')
+GEMM_CALL = ("cublas", "triton", "mosaic")  # custom calls that may be GEMMs (a [M, K] · [(G,) K, N] shape)
+
+
+def matmul_flops(text: str) -> dict[str, float]:
+  """Matmul FLOPs per step of a compiled module (dots and GEMM custom calls, loops weighted by their trip counts):
+  `all`, and `recipe`: those of the GEMMs DeepSeek's FP8 recipe covers, the attention, MLP and expert projections
+  (named by their einsum letters, `fp8_gemm.PROJECTIONS`, or inside the routed experts' scope): the head, the
+  router and attention's scores are not. `*_f8`: the part whose operands are float8."""
+  from jaxseek.explore import overlap
+  from jaxseek.kernels import fp8_gemm
+
+  module, entry = overlap.parse(text)
+  if entry is None:
+    return {}
+  runs = overlap.weights(module, entry)
+  timer = overlap._Timer(module, None)
+  out = dict.fromkeys(("all", "all_f8", "recipe", "recipe_f8"), 0.0)
+  for name, instructions in module.items():
+    for instruction in instructions:
+      op = instruction["opcode"]
+      if not runs.get(name) or not (op == "dot" or op == "custom-call" and any(
+          k in instruction["attrs"] for k in GEMM_CALL)):
+        continue
+      flops = runs[name] * timer.flops(name, instruction)
+      types = [timer.types[name].get(o, "") for o in overlap._operand_names(instruction)]
+      f8 = any(t.lstrip("(").startswith("f8") for t in types)
+      found = OP_NAME.search(instruction["attrs"])
+      recipe = fp8_gemm.in_recipe(found.group(1) if found else "")
+      for key, counts in (("all", True), ("recipe", recipe)):
+        if counts:
+          out[key] += flops
+          out[f"{key}_f8"] += flops * f8
+  return out
+

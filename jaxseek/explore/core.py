@@ -39,6 +39,8 @@ CAPABILITY = {"h100": 9.0, "h800": 9.0, "h200": 9.0, "gh200": 9.0, "a100": 8.0, 
 # memory bandwidth in TB/s by PEAK_TFLOPS key (the time of memory-bound kernels beside a collective: overlap.py)
 MEMORY_TBPS = {"h100": 3.35, "h800": 3.35, "h200": 4.8, "gh200": 4.0, "a100": 2.04, "a800": 2.04, "l40s": 0.864,
                "b200": 8.0}
+# dense float8 peak in TFLOP/s by PEAK_TFLOPS key (train.fp8's GEMMs; none on Ampere)
+FP8_TFLOPS = {"h100": 1979.0, "h800": 1979.0, "h200": 1979.0, "gh200": 1979.0, "l40s": 733.0, "b200": 4500.0}
 DEFAULT_GPU = "h100-80g"
 _SIZE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e\+?[0-9]+)?)\s*(gib|gb|mib|mb|tib|tb|b)?\s*$",
                    re.IGNORECASE)
@@ -50,13 +52,13 @@ def hardware(device_memory: str | None = None, *, peak_tflops: float | None = No
              devices_per_node: int = 8, usable_fraction: float = 0.9) -> Hardware:
   """A named GPU ("h100-80g"), a size ("80GiB", "75GB", "7.5e10B"; a bare number is GB), or None: the local
   accelerator if there is one, else h100-80g."""
-  name, memory, peak, cc = _device(device_memory)
+  name, memory, peak, cc, fp8 = _device(device_memory)
   links = {k: v for k, v in (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps)) if v}
   return Hardware(name, memory, peak_tflops or peak, devices_per_node=devices_per_node,
-                  usable_fraction=usable_fraction, capability=cc, **links)
+                  usable_fraction=usable_fraction, capability=cc, fp8_tflops=fp8, **links)
 
 
-def _device(device_memory: str | None) -> tuple[str, int, float, float]:
+def _device(device_memory: str | None) -> tuple[str, int, float, float, float | None]:
   if device_memory is None:
     detected = _detect()
     if detected:
@@ -65,7 +67,7 @@ def _device(device_memory: str | None) -> tuple[str, int, float, float]:
   key = device_memory.strip().lower()
   if key in GPUS:
     mib, peak_key = GPUS[key]
-    return key, mib * 2**20, PEAK_TFLOPS[peak_key], CAPABILITY[peak_key]
+    return key, mib * 2**20, PEAK_TFLOPS[peak_key], CAPABILITY[peak_key], FP8_TFLOPS.get(peak_key)
   match = _SIZE.match(key)
   if not match:
     raise UserError(f"--device-memory {device_memory!r} is neither a known device ({', '.join(GPUS)}) nor a size "
@@ -75,11 +77,12 @@ def _device(device_memory: str | None) -> tuple[str, int, float, float]:
     raise UserError(f"--device-memory {device_memory!r} is not a device's memory; give a size from 1 byte to 1 PiB "
                     f"like 80GiB, or a device ({', '.join(GPUS)})")
   default = GPUS[DEFAULT_GPU][1]
-  return f"{device_memory.strip()} device", int(nbytes), PEAK_TFLOPS[default], CAPABILITY[default]
+  return (f"{device_memory.strip()} device", int(nbytes), PEAK_TFLOPS[default], CAPABILITY[default],
+          FP8_TFLOPS.get(default))
 
 
-def _detect() -> tuple[str, int, float, float] | None:
-  """The local accelerator's name, memory limit, peak and compute capability, when JAX sees one."""
+def _detect() -> tuple[str, int, float, float, float | None] | None:
+  """The local accelerator's name, memory limit, peak, compute capability and float8 peak, when JAX sees one."""
   import jax
 
   from jaxseek.kernels import choice as kernels
@@ -91,7 +94,8 @@ def _detect() -> tuple[str, int, float, float] | None:
   kind = device.device_kind.lower().replace(" ", "")
   peak = next((v for k, v in PEAK_TFLOPS.items() if k in kind), PEAK_TFLOPS[GPUS[DEFAULT_GPU][1]])
   cc = None if kernels.is_rocm(device) else kernels.capability(device) or CAPABILITY[GPUS[DEFAULT_GPU][1]]
-  return (device.device_kind, int(limit), peak, cc) if limit else None
+  fp8 = next((v for k, v in FP8_TFLOPS.items() if k in kind), None)
+  return (device.device_kind, int(limit), peak, cc, fp8) if limit else None
 
 
 def mesh_sizes(cfg: Config, devices: int | None) -> dict[str, int]:
@@ -149,7 +153,7 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       "kernels": kernels.summary(cfg, platform, hw.capability, tokamax=True, tensor=sizes["tensor"]),
       "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,
                    "compute_capability": hw.capability,
-                   "peak_tflops": hw.peak_tflops, "intra_node_gbps": hw.intra_node_gbps,
+                   "peak_tflops": hw.peak_tflops, "fp8_tflops": hw.fp8_tflops, "intra_node_gbps": hw.intra_node_gbps,
                    "inter_node_gbps": hw.inter_node_gbps, "devices_per_node": hw.devices_per_node},
       "parameters": _ordered(layout_lib.parameter_rows(model, sizes)),
       "optimizer": _ordered(layout_lib.optimizer_rows(model, sizes)),

@@ -121,7 +121,8 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
           "batch_bytes": sum(int(np.prod(b.sharding.shard_shape(b.shape))) * b.dtype.itemsize for b in batch.values()),
           "custom_calls": dict(calls), "kernels": kernels_used(calls),
           "collectives": explore_compile.count_collectives(text, tuple(mesh.devices.shape)),
-          "overlap": explore_overlap.overlap(text, target_rates(target, per_host, hw)), "hlo": text}
+          "overlap": explore_overlap.overlap(text, target_rates(target, per_host, hw)),
+          "matmuls": explore_compile.matmul_flops(text), "hlo": text}
 
 
 def kernels_used(calls: dict[str, int]) -> dict[str, int]:

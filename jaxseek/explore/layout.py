@@ -63,6 +63,7 @@ class Model:
   total_parameters: int
   mtp_parameters: int
   flops_per_token: float  # training (forward + backward) FLOPs per token, metrics.flops_per_token
+  recipe_flops_per_token: float = 0.0  # the part train.fp8 runs in FP8: metrics.recipe_flops_per_token
   memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # per-mesh results (suggest)
 
   def with_train(self, **changes) -> "Model":
@@ -88,7 +89,7 @@ def describe(cfg: Config) -> Model:
   total = sum(math.prod(x.shape) for x in leaves if x.kind == "params")
   mtp = sum(math.prod(x.shape) for x in leaves if x.kind == "params" and x.stack == "mtp_layers")
   flops = metrics_lib.flops_per_token(cfg, state.params)
-  return Model(cfg, tuple(leaves), total, mtp, flops)
+  return Model(cfg, tuple(leaves), total, mtp, flops, metrics_lib.recipe_flops_per_token(cfg, state.params))
 
 
 def one_device_mesh() -> Mesh:

@@ -303,12 +303,14 @@ class _Timer:
       return 2.0 * math.prod(_dims(instruction["type"]) or [0]) * k
     if op == "custom-call":  # a GEMM [M, N] = [M, K] · [(G,) K, N]: K from the float operand that has M
       out = _dims(instruction["type"])
-      if len(out) != 2:
-        return 0.0
-      for name in operands:
-        dims = _dims(types.get(name, ""), floats_only=True)
-        if len(dims) == 2 and out[0] in dims:
-          return 2.0 * out[0] * out[1] * dims[1 - dims.index(out[0])]
+      floats = [d for d in (_dims(types.get(name, ""), floats_only=True) for name in operands) if len(d) == 2]
+      if len(out) == 2:
+        for dims in floats:
+          if out[0] in dims:
+            return 2.0 * out[0] * out[1] * dims[1 - dims.index(out[0])]
+      if len(out) == 3 and len(floats) >= 2 and floats[0][0] == floats[1][0] and out[1:] == [floats[0][1],
+                                                                                          floats[1][1]]:
+        return 2.0 * floats[0][0] * out[1] * out[2]  # a grouped weight gradient [G, K, N] = Σ_groups [M, K]ᵀ [M, N]
     return 0.0
 
 

@@ -135,8 +135,11 @@ def print_communication(result: dict[str, Any], out: Console) -> None:
   x = result.get("expert_dispatch")
   if x and x["shards"] > 1:
     out.print(expert_line(x))
+  fp8 = (f" ({compute['fp8_flops_per_device']:.3g} of them train.fp8's GEMMs at the float8 peak, "
+         f"{hw['fp8_tflops']:g} TFLOP/s; {seconds(compute['time_at_bf16_s'])} all at bfloat16)"
+         if compute.get("fp8_flops_per_device") else "")
   out.print(f"compute {compute['flops_per_device']:.3g} FLOPs/device → {seconds(compute['time_s'])} at "
-                f"{hw['peak_tflops']:g} TFLOP/s; pipeline bubble {seconds(compute['bubble_s'])}; estimated step "
+                f"{hw['peak_tflops']:g} TFLOP/s{fp8}; pipeline bubble {seconds(compute['bubble_s'])}; estimated step "
                 f"{seconds(result['step_time_s'])} (no overlap of compute and collectives)")
 
 
@@ -189,6 +192,14 @@ def print_overlap(overlap: dict[str, Any], out: Console) -> None:
             f"count in the ops as if always taken, not in what runs every step")
 
 
+def matmul_line(m: dict[str, float]) -> str:
+  share = lambda part, whole: f"{100 * m[part] / m[whole]:.1f}%" if m[whole] else "-"
+  return (f"matmuls per step (loops weighted by trip counts): {m['all']:.3g} FLOPs, {share('all_f8', 'all')} with "
+          f"float8 operands; of the FP8 recipe's GEMMs (attention, MLP and expert projections, forward and both "
+          f"gradients; not the head, router or attention scores) {m['recipe']:.3g} FLOPs, "
+          f"{share('recipe_f8', 'recipe')} on float8")
+
+
 def print_compiled(compiled: dict[str, Any], out: Console) -> None:
   where = f"for {compiled['devices']} × {compiled['device_kind']}, deviceless" if "target" in compiled else \
       "on simulated CPU devices"
@@ -205,6 +216,8 @@ def print_compiled(compiled: dict[str, Any], out: Console) -> None:
       table.add_row(name, str(count))
     out.print(table)
     out.print(f"XLA total (arguments + outputs − aliased + temporaries): {human(compiled['total_bytes'])} per device")
+    if compiled.get("matmuls", {}).get("all"):
+      out.print(matmul_line(compiled["matmuls"]))
     if "overlap" in compiled:
       print_overlap(compiled["overlap"], out)
   table = _table("Collectives in the compiled module (ops by mesh axes)", "collective", "axes", "count",

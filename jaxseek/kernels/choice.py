@@ -34,13 +34,17 @@ GPU_ATTENTION = ("mosaic", "triton", "cudnn")
 GPU_MATMUL = {"tokamax": "mosaic", "tokamax_triton": "triton"}
 
 
-def compiler_options(cfg, where: str | None = None) -> dict[str, bool]:
+def compiler_options(cfg, where: str | None = None) -> dict[str, bool | int]:
   """XLA options the train step compiles with on platform `where` (default: the mesh's): on GPU the
   latency-hiding scheduler (train.latency_hiding), which XLA:GPU leaves off for a program of a training step's
-  size, so that nothing would overlap the expert exchange or the weight gathers."""
+  size, so that nothing would overlap the expert exchange or the weight gathers, and the memory it plans within
+  (train.latency_hiding_memory)."""
   if (where or platform()) != "gpu":
     return {}
-  return {"xla_gpu_enable_latency_hiding_scheduler": cfg.train.latency_hiding}
+  options = {"xla_gpu_enable_latency_hiding_scheduler": cfg.train.latency_hiding}
+  if cfg.train.latency_hiding:
+    options["xla_gpu_memory_limit_slop_factor"] = cfg.train.latency_hiding_memory
+  return options
 
 
 MOSAIC_SM = (9.0, 11.0)  # tokamax 0.0.12's Mosaic GPU kernels: Hopper (sm_90) and Blackwell (sm_100)
@@ -211,14 +215,20 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
   attention = attention_kind(m.attention_impl, t.seq_len, where, t.compute_dtype, installed, cc,
                              m.attention_head_dims)
   parts = [f"attention {attention} ({LABELS[attention]})"]
-  if m.is_moe:
+  recipe = fp8_gemm.resolve(t.fp8, where, cc)
+  if m.is_moe and recipe not in (None, "blockwise"):  # kernels/fp8_grouped.py
+    scaled = "one scale per tensor" if recipe == "tensorwise" else "rows and expert columns scaled"
+    kernel = "tokamax Triton kernel" if where == "gpu" else "XLA ragged_dot on the e4m3 values"
+    parts.append(f"expert GEMM float8 ({kernel}, {scaled})")
+  elif m.is_moe:
     gemm = matmul_kind(m.moe_matmul, where, t.compute_dtype, installed, cc, expert_dims(cfg, tensor))
     parts.append(f"expert GEMM {gemm} ({LABELS['blocked_matmul' if gemm == 'blocked' else gemm]})")
   parts.append(f"loss {t.loss_impl} ({LABELS[t.loss_impl]})")
-  if (recipe := fp8_gemm.resolve(t.fp8, where, cc)) is not None:
-    parts.append(f"FP8 {recipe} ({fp8_gemm.LABELS[recipe]}; routed experts blockwise, emulated)")
+  if recipe is not None:
+    parts.append(f"FP8 {recipe} ({fp8_gemm.LABELS[recipe]})")
   if where == "gpu":
-    parts.append(f"XLA latency-hiding scheduler {'on' if t.latency_hiding else 'off'}")
+    memory = f" within {t.latency_hiding_memory}% of XLA's memory limit" if t.latency_hiding_memory != 95 else ""
+    parts.append(f"XLA latency-hiding scheduler {'on' + memory if t.latency_hiding else 'off'}")
   line = f"kernels on {where if where != 'gpu' else sm(cc)}: " + " | ".join(parts)
   if where == "gpu" and not installed and "auto" in (m.attention_impl, m.moe_matmul):
     line += " — tokamax is not installed, so auto takes XLA's paths: pip install -e '.[gpu]' for the GPU kernels"

@@ -37,6 +37,20 @@ SETTINGS = ("none", "auto", *RECIPES)
 FP8_SM = 8.9  # Ada and Hopper: float8 GEMMs in cuBLASLt
 MXFP8_SM = 10.0  # Blackwell: block-scaled (MX) GEMMs
 MX_BLOCK = 32
+# the projections the model runs through `einsum` (their letters name their GEMMs in HLO, forward and backward),
+# and the routed experts' scope (kernels/grouped.py): what DeepSeek's recipe runs in FP8
+PROJECTIONS = ("BTD,DF->BTF", "BTF,FD->BTD", "BTD,DNH->BTNH", "BTD,DGH->BTGH", "BTNH,NHD->BTD", "BTD,DQ->BTQ",
+               "BTQ,QNH->BTNH", "BTQ,QNR->BTNR", "BTD,DNR->BTNR", "BTD,DC->BTC", "BTD,DR->BTR", "BSC,CNH->BSNH",
+               "BSC,CNP->BSNP", "BTNP,NPD->BTD")
+EXPERTS_SCOPE = "routed_experts"
+
+
+def in_recipe(op_name: str) -> bool:
+  """Whether an HLO op named `op_name` is a GEMM the FP8 recipe covers: a projection's (forward, or its gradients:
+  the FP8 backward's own letters sit under the forward's scope) or the routed experts'."""
+  return EXPERTS_SCOPE in op_name or "/fp8_" in op_name or any(p in op_name for p in PROJECTIONS)
+
+
 LABELS = {"tensorwise": "float8 GEMMs, one scale per tensor", "rowwise": "float8 GEMMs, one scale per row",
           "mxfp8": "float8 block-scaled GEMMs, one e8m0 scale per 32", "blockwise":
           "DeepSeek's 1×128 / 128×128 scaling, emulated in the compute dtype"}

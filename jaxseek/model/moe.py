@@ -192,15 +192,17 @@ class MoE(nnx.Module):
                       fp8=fp8) if cfg.n_shared_experts else None
     self.fp8 = fp8  # a train.fp8 recipe: the routed experts' inputs rounded as DeepSeek's blockwise recipe does
     self.routing = Routing.from_config(cfg)
-    self.exchange = exchange or experts.Settings.from_config(cfg)  # the mesh's nodes: step.py's
+    exchange = exchange or experts.Settings.from_config(cfg)  # the mesh's nodes: step.py's
+    self.exchange = dataclasses.replace(exchange, fp8=fp8)
     self.dtype = dtype
 
   def __call__(self, x_BTD: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns y [B, T, D] and aux: `load` [E], `balance` [B], `dropped` [], `extra` [] (see routed_experts)."""
-    w = lambda p: fp8.blocks(p[...].astype(self.dtype)) if self.fp8 else p[...].astype(self.dtype)
+    emulated = self.fp8 == "blockwise"  # the other recipes run the grouped GEMMs in FP8 (exchange.fp8)
+    w = lambda p: fp8.blocks(p[...].astype(self.dtype)) if emulated else p[...].astype(self.dtype)
     bias_E = self.bias_E[...] if self.bias_E is not None else jnp.zeros(self.w_router_DE.shape[1:], jnp.float32)
     weights = ExpertWeights(self.w_router_DE[...], bias_E, w(self.w_gate_EDM), w(self.w_up_EDM), w(self.w_down_EMD))
-    y_BTD, load_E, balance_B, dropped, extra = routed_experts(x_BTD, valid_BT, weights, self.routing, self.exchange, self.fp8)
+    y_BTD, load_E, balance_B, dropped, extra = routed_experts(x_BTD, valid_BT, weights, self.routing, self.exchange, emulated)
     if self.shared is not None:
       y_BTD = y_BTD + self.shared(x_BTD)
     return y_BTD, {"load": load_E, "balance": balance_B, "dropped": dropped, "extra": extra}

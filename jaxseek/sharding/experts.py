@@ -73,6 +73,13 @@ class Settings:
   chunks: int = 1  # model.moe_overlap_chunks
   # group-limited routing (experts, n_group, topk_group): bounds the nodes a token reaches; None: K bounds them
   groups: tuple[int, int, int] | None = None
+  fp8: str | None = None  # the train.fp8 recipe of the grouped GEMMs (kernels/fp8_grouped.py; blockwise: emulated)
+
+  @property
+  def ffn(self) -> str | tuple[str, str]:
+    """What the grouped SwiGLU runs (grouped.expert_ffn's `matmul`): model.moe_matmul, with FP8 GEMMs the
+    recipe beside it."""
+    return (self.matmul, self.fp8) if self.fp8 not in (None, "blockwise") else self.matmul
 
   @classmethod
   def from_config(cls, cfg: ModelConfig, node: int | None = None) -> "Settings":
@@ -143,7 +150,7 @@ def routed(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settings:
   choice.dispatch_kind(settings.dispatch)  # refused where it cannot run, even unused
   if shards == 1 and cap == capacity(x, K, 1, E, None):
     none = jnp.zeros((), jnp.float32)
-    return experts_local(x_xD, idx_xK, weights_xK, *w_eDm, settings.matmul), none, none
+    return experts_local(x_xD, idx_xK, weights_xK, *w_eDm, settings.ffn), none, none
   chunks = settings.chunk_count(x)
   one_stage_ragged = choice.dispatch_kind(settings.dispatch) != "fixed" and not settings.two_stage(shards)
   if chunks == 1 or one_stage_ragged:  # the ragged exchange runs its chunks in the same rounds itself
@@ -168,17 +175,17 @@ def exchanged(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settin
   if settings.two_stage(shards):
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
     y_xD, extra = experts_two_stage(x_xD, idx_xK, weights_xK, w_eDm, axes, shards, settings.node, rows,
-                                    matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X,
+                                    matmul=settings.ffn, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X,
                                     reach=settings.nodes_reached(shards, K))
     return y_xD, none, extra
   if ragged and shards > 1:
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
     y_xD, kept_Kx, extra_Kx = experts_parallel_ragged(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap, rows,
-                                            matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch,
+                                            matmul=settings.ffn, fp8_dispatch=settings.fp8_dispatch,
                                             valid_X=valid_X, chunks=chunks)
   else:
     y_xD, kept_Kx, extra_Kx = experts_parallel(x_xD, idx_xK, weights_xK, *w_eDm, axes, shards, cap,
-                                     matmul=settings.matmul, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X)
+                                     matmul=settings.ffn, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X)
   count = lambda a_Kx: (a_Kx.astype(jnp.float32) * valid_x).sum()
   return y_xD, count(~kept_Kx), count(extra_Kx)
 
@@ -193,7 +200,7 @@ def typed_axes_hold(settings: Settings, w_gate_EDM: jax.Array) -> bool:
   tensor = math.prod(mesh.shape[a] for a in rules.mesh_axes("expert_mlp"))
   kind = choice.matmul_kind(settings.matmul, dtype=w_gate_EDM.dtype,
                             dims=(w_gate_EDM.shape[1], w_gate_EDM.shape[2] // tensor))
-  return not rules.reserved_axes() and not outer and kind not in choice.GPU_MATMUL
+  return not rules.reserved_axes() and not outer and kind not in choice.GPU_MATMUL and settings.ffn == settings.matmul
 
 
 def experts_parallel(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_down_emD, axes: tuple[str, ...],
