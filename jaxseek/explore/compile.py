@@ -166,7 +166,7 @@ def gradient_reduction_bytes(collectives: dict[str, dict[str, float]]) -> float:
 
 
 OP_NAME = re.compile(r'op_name="([^"]*)"')
-GEMM_CALL = ("cublas", "triton", "mosaic")  # custom calls that may be GEMMs (a [M, K] · [(G,) K, N] shape)
+GEMM_CALL = ("cublas", "triton", "mosaic", "blockScaledDot")  # custom calls that may be GEMMs
 
 
 def matmul_flops(text: str) -> dict[str, float]:
@@ -190,8 +190,7 @@ def matmul_flops(text: str) -> dict[str, float]:
           k in instruction["attrs"] for k in GEMM_CALL)):
         continue
       flops = runs[name] * timer.flops(name, instruction)
-      types = [timer.types[name].get(o, "") for o in overlap._operand_names(instruction)]
-      f8 = any(t.lstrip("(").startswith("f8") for t in types)
+      f8 = timer.on_f8(name, instruction)
       found = OP_NAME.search(instruction["attrs"])
       recipe = fp8_gemm.in_recipe(found.group(1) if found else "")
       for key, counts in (("all", True), ("recipe", recipe)):

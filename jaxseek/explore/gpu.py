@@ -68,15 +68,16 @@ def default_device(device) -> Iterator[None]:
 
 
 def target_rates(target: str, per_host: int, hw=None):
-  """What the overlap estimate times kernels and transfers with (explore/overlap.py): `target`'s dense peak and
-  memory bandwidth, the links of `hw` (a comm.Hardware; default: NVLink 4 within a node, 400 Gb/s across)."""
+  """What the overlap estimate times kernels and transfers with (explore/overlap.py): `target`'s dense peaks
+  (bfloat16, float8) and memory bandwidth, the links of `hw` (a comm.Hardware; default: NVLink 4 within a node, 400 Gb/s across)."""
   from jaxseek.explore import comm, core
   from jaxseek.explore.overlap import Rates
 
   hw = hw or comm.Hardware(target, 0, 0.0)
   key = core.GPUS[TARGET_MEMORY[target]][1]
   return Rates(flops=core.PEAK_TFLOPS[key] * 1e12, memory=core.MEMORY_TBPS[key] * 1e12,
-               intra_node=hw.intra_node_gbps * 1e9 / 8, inter_node=hw.inter_node_gbps * 1e9 / 8, per_node=per_host)
+               intra_node=hw.intra_node_gbps * 1e9 / 8, inter_node=hw.inter_node_gbps * 1e9 / 8, per_node=per_host,
+               fp8_flops=core.FP8_TFLOPS.get(key, 0.0) * 1e12)
 
 
 def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host: int, hw=None) -> dict[str, Any]:

@@ -17,7 +17,8 @@ That a kernel lies between start and done says nothing of how long it runs: a fe
 exchange hide little of it. Given `Rates` (the device's peak, its memory bandwidth and its links), `overlap`
 also estimates what each pair hides (`hidden_bytes`): its bytes × min(1, the time of the kernels between
 start and done / the time of the transfer). A kernel's time is the larger of its matmul FLOPs at peak (dots in
-fusions, and GEMM custom calls sized from their operands) and the bytes it reads and writes at the memory
+fusions, and GEMM custom calls sized from their operands; on float8 operands at the float8 peak) and the bytes
+it reads and writes at the memory
 bandwidth; a while loop's body counts its trip count times, a conditional its longest branch. The transfer's
 time is the bytes the done delivers over the link its device groups use (within a node of `per_node` devices,
 or across nodes); for a ragged exchange the smaller of its send and receive buffers (the receive buffer of a
@@ -62,6 +63,7 @@ class Rates(NamedTuple):
   intra_node: float
   inter_node: float
   per_node: int
+  fp8_flops: float = 0.0  # FLOP/s of GEMMs on float8 operands (0: as `flops`)
 
 
 def parse(text: str) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
@@ -273,7 +275,8 @@ class _Timer:
       return 0.0
     # the output written and as much read: a slice of a large operand reads only what it writes
     memory = 2 * self.written(computation, instruction) / self.rates.memory
-    return max(self.flops(computation, instruction) / self.rates.flops, memory)
+    flops, f8 = self.flops(computation, instruction), self.flops(computation, instruction, f8_only=True)
+    return max((flops - f8) / self.rates.flops + f8 / (self.rates.fp8_flops or self.rates.flops), memory)
 
   def written(self, computation: str, instruction: dict[str, Any]) -> int:
     """Bytes a kernel writes: its output, or only the update where a fusion updates a slice in place."""
@@ -290,28 +293,42 @@ class _Timer:
       self.memo[computation] = sum(self.kernel(computation, i) for i in self.module[computation])
     return self.memo[computation]
 
-  def flops(self, computation: str, instruction: dict[str, Any]) -> float:
+  def flops(self, computation: str, instruction: dict[str, Any], f8_only: bool = False) -> float:
+    """The matmul FLOPs of a dot, a GEMM custom call or a fusion's dots (`f8_only`: of those on float8)."""
     op, types = instruction["opcode"], self.types[computation]
     operands = re.findall(r"%?([\w.\-]+)", instruction["operands"])
     if op == "fusion":
-      return sum(self.flops(c, i) for key, c in callees(instruction) if key == "calls" and c in self.module
+      return sum(self.flops(c, i, f8_only) for key, c in callees(instruction) if key == "calls" and c in self.module
                  for i in self.module[c] if i["opcode"] in ("dot", "fusion"))
+    if f8_only and not self.on_f8(computation, instruction):
+      return 0.0
     if op == "dot" and operands:
       lhs = _dims(types.get(operands[0], ""))
       contracting = _CONTRACTING.search(instruction["attrs"])
       k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 0
       return 2.0 * math.prod(_dims(instruction["type"]) or [0]) * k
     if op == "custom-call":  # a GEMM [M, N] = [M, K] · [(G,) K, N]: K from the float operand that has M
-      out = _dims(instruction["type"])
-      floats = [d for d in (_dims(types.get(name, ""), floats_only=True) for name in operands) if len(d) == 2]
+      first = _ARRAY.search(instruction["type"])  # (a tuple's first element: cuDNN adds its workspace)
+      out = _dims(first.group(0)) if first else []
+      inputs = [_dims(types.get(name, ""), floats_only=True) for name in operands]
+      floats = [d for d in inputs if len(d) == 2]
       if len(out) == 2:
         for dims in floats:
           if out[0] in dims:
             return 2.0 * out[0] * out[1] * dims[1 - dims.index(out[0])]
+      batched = [d for d in inputs if len(d) == 3]
+      if len(out) == 3 and batched and batched[0][:2] == out[:2]:  # [B, M, N] = [B, M, K] · [B, N, K] (scaled dot)
+        return 2.0 * math.prod(out) * batched[0][2]
       if len(out) == 3 and len(floats) >= 2 and floats[0][0] == floats[1][0] and out[1:] == [floats[0][1],
                                                                                           floats[1][1]]:
         return 2.0 * floats[0][0] * out[1] * out[2]  # a grouped weight gradient [G, K, N] = Σ_groups [M, K]ᵀ [M, N]
     return 0.0
+
+
+  def on_f8(self, computation: str, instruction: dict[str, Any]) -> bool:
+    """Whether an instruction reads float8 operands."""
+    return any(self.types[computation].get(name, "").lstrip("(").startswith("f8")
+               for name in _operand_names(instruction))
 
 
 def _dims(type_: str, floats_only: bool = False) -> list[int]:

@@ -210,7 +210,8 @@ def _mx_gemm(spec: str, qa, sa, qb, sb, dtype) -> jax.Array:
   if gpu.platform() != "gpu":
     return jnp.einsum(spec, _mx_dequant(qa, sa), _mx_dequant(qb, sb),
                       preferred_element_type=jnp.float32).astype(dtype)
-  return _mx_scaled_matmul(spec, qa, sa, qb, sb).astype(dtype)
+  with jax.named_scope(spec):  # the einsum's letters in the GEMM's HLO name
+    return _mx_scaled_matmul(spec, qa, sa, qb, sb).astype(dtype)
 
 
 def _mx_scaled_matmul(spec: str, qa, sa, qb, sb) -> jax.Array:
