@@ -34,9 +34,11 @@ BASE = ["--config", str(ROOT / "configs/tiny-v3.yaml"), "mesh.num_cpu_devices=8"
 TAIL = 20
 
 
-def curve(steps: int, seed: int, method: str, extra: list[str], run_dir: Path) -> np.ndarray:
-  cmd = [sys.executable, "-m", "jaxseek.train", *BASE, f"train.steps={steps}", f"optim.warmup_steps={steps // 20}",
-         f"train.seed={seed}", f"train.grad_compression={method}", f"train.run_dir={run_dir}", *extra]
+def curve(steps: int, seed: int, method: str, extra: list[str], run_dir: Path, key: str = "train.grad_compression",
+          base: list[str] = BASE) -> np.ndarray:
+  """The per-step losses of one run with `key`=`method` (and `extra` overrides) after `base`."""
+  cmd = [sys.executable, "-m", "jaxseek.train", *base, f"train.steps={steps}", f"optim.warmup_steps={steps // 20}",
+         f"train.seed={seed}", f"{key}={method}", f"train.run_dir={run_dir}", *extra]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
   if done.returncode:
     sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -44,7 +46,8 @@ def curve(steps: int, seed: int, method: str, extra: list[str], run_dir: Path) -
   return np.array([by_step[s] for s in range(1, steps + 1)])
 
 
-def draw(curves: dict[str, list[np.ndarray]], out: Path, smooth: int = 10) -> None:
+def draw(curves: dict[str, list[np.ndarray]], out: Path, smooth: int = 10,
+         title: str = "tiny-v3 on python-stdlib, data = 8: train.grad_compression, one line per seed") -> None:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
@@ -59,7 +62,7 @@ def draw(curves: dict[str, list[np.ndarray]], out: Path, smooth: int = 10) -> No
               label=method if j == 0 else None)
   ax.set_xlabel("step")
   ax.set_ylabel(f"loss (moving average over {smooth} steps)")
-  ax.set_title("tiny-v3 on python-stdlib, data = 8: train.grad_compression, one line per seed", fontsize=10)
+  ax.set_title(title, fontsize=10)
   ax.grid(True, alpha=0.3)
   ax.legend()
   fig.savefig(out)

@@ -202,3 +202,21 @@ def test_the_scheduler_puts_the_expert_exchange_beside_compute():
   assert on >= 0.9 > 0.5 > off and hidden_on > hidden_off
   _, hidden_streams = exchange("train.microbatches=1", "model.overlap_streams=2")
   assert hidden_streams > hidden_on
+
+
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_fp8_runs_the_recipes_gemms_on_float8(target):
+  """bench-v3-1b (4 layers, batch 8 × 2,048) with train.fp8=true: of the matmul FLOPs of the recipe's GEMMs
+  (attention, MLP and expert projections, forward and both gradients) at least 90% have float8 operands (rowwise
+  on the H200, MXFP8 through cuDNN's block-scaled dot on the B200; bfloat16: none), and on the H200 the step's
+  temporaries are below bfloat16's (docs/precision.md: 100%, 11.03 against 12.33 GiB)."""
+  def compiled(*overrides):
+    cfg = config_lib.load("configs/bench-v3-1b.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1",
+                                                        "model.num_hidden_layers=4", "train.batch_size=8",
+                                                        "train.seq_len=2048", *overrides])
+    return explore_gpu.compile_for_target(cfg, cfg.mesh.sizes(), target, 1)
+
+  fp8, bf16 = compiled("train.fp8=true"), compiled()
+  assert fp8["matmuls"]["recipe_f8"] >= 0.9 * fp8["matmuls"]["recipe"] > 0 == bf16["matmuls"]["recipe_f8"]
+  if target == "h200":
+    assert fp8["temp_bytes"] < bf16["temp_bytes"]

@@ -194,7 +194,8 @@ def print_overlap(overlap: dict[str, Any], out: Console) -> None:
 
 def matmul_line(m: dict[str, float]) -> str:
   share = lambda part, whole: f"{100 * m[part] / m[whole]:.1f}%" if m[whole] else "-"
-  return (f"matmuls per step (loops weighted by trip counts): {m['all']:.3g} FLOPs, {share('all_f8', 'all')} with "
+  return (f"matmuls per step (loops weighted by trip counts, every branch and further exchange round counted as "
+          f"run): {m['all']:.3g} FLOPs, {share('all_f8', 'all')} with "
           f"float8 operands; of the FP8 recipe's GEMMs (attention, MLP and expert projections, forward and both "
           f"gradients; not the head, router or attention scores) {m['recipe']:.3g} FLOPs, "
           f"{share('recipe_f8', 'recipe')} on float8")

@@ -57,17 +57,18 @@ def _q_groups(a_RN: jax.Array, group_R: jax.Array, E: int, per_tensor: bool) -> 
   return (a32 / s_EN.at[group_R].get(mode="clip")).astype(E4M3), s_EN
 
 
-def _ragged(q_RK, q_EKN, sizes_E, on_gpu: bool) -> jax.Array:
-  """[R, K] × [E, K, N] by group → float32 [R, N]."""
+def _ragged(q_RK, q_EKN, sizes_E, on_gpu: bool, dtype) -> jax.Array:
+  """[R, K] × [E, K, N] by group, accumulated in float32, → [R, N] in `dtype` (float32 off GPU)."""
   if on_gpu:
-    return gpu.tokamax_module().ragged_dot(q_RK, q_EKN, sizes_E, preferred_element_type=jnp.float32,
+    return gpu.tokamax_module().ragged_dot(q_RK, q_EKN, sizes_E, preferred_element_type=dtype,
                                            implementation="triton")
   return jax.lax.ragged_dot(q_RK.astype(jnp.float32), q_EKN.astype(jnp.float32), sizes_E,
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=jnp.float32).astype(dtype)
 
 
 def _per_group(q_RK, q_RN, sizes_E, on_gpu: bool) -> jax.Array:
-  """Σ over each group's rows of a[r]ᵀ·b[r] → float32 [E, K, N] (the weight gradient's GEMM)."""
+  """Σ over each group's rows of a[r]ᵀ·b[r] → float32 [E, K, N] (the weight gradient's GEMM; the size of the
+  weights, so float32 costs little)."""
   if on_gpu:
     return gpu.tokamax_module().ragged_dot_general(
         q_RK, q_RN, sizes_E, ragged_dot_dimension_numbers=CONTRACT_ROWS, preferred_element_type=jnp.float32,
@@ -85,21 +86,23 @@ def _group_of_rows(sizes_E: jax.Array, R: int) -> jax.Array:
 def _ffn(per_tensor: bool, on_gpu: bool):
   """The custom-gradient grouped SwiGLU for one scaling (per tensor, or rowwise) and kernel."""
 
-  def gemm(name, q_a, s_a, q_w, s_w_EN, sizes_E, group_R):
-    """Rows × their expert's weight, the row scales [R, 1] and the weight's [E, 1, N] applied outside."""
+  def gemm(name, q_a, s_a, q_w, s_w_EN, sizes_E, group_R, dtype):
+    """Rows × their expert's weight, the row scales [R, 1] and the weight's [E, 1, N] applied outside, in `dtype`
+    (the GEMM's [R, N] output in the compute dtype: R is the receive buffer's rows, GiBs in float32)."""
     s_RN = s_w_EN.reshape(()) if per_tensor else s_w_EN.reshape(s_w_EN.shape[0], -1).at[group_R].get(mode="clip")
     with jax.named_scope(name):  # the GEMM's letters in its HLO name
-      return _ragged(q_a, q_w, sizes_E, on_gpu) * s_a * s_RN
+      return (_ragged(q_a, q_w, sizes_E, on_gpu, dtype) * s_a * s_RN).astype(dtype)
 
   def forward(x_RD, sizes_E, w_in_ED2m, w_down_EmD):
     R, E = x_RD.shape[0], w_in_ED2m.shape[0]
     group_R = _group_of_rows(sizes_E, R)
     qx, sx = _q(x_RD, -1, per_tensor)
-    gate_up_R2m = gemm("RD,EDM->RM", qx, sx, *_q(w_in_ED2m, 1, per_tensor), sizes_E, group_R)
-    gate_Rm, up_Rm = jnp.split(gate_up_R2m, 2, axis=-1)
-    h_Rm = jax.nn.silu(gate_Rm) * up_Rm
-    y_RD = gemm("RM,EMD->RD", *_q(h_Rm, -1, per_tensor), *_q(w_down_EmD, 1, per_tensor), sizes_E, group_R)
-    return y_RD.astype(x_RD.dtype), (qx, sx, gate_up_R2m.astype(x_RD.dtype), sizes_E, w_in_ED2m, w_down_EmD)
+    dtype = x_RD.dtype
+    gate_up_R2m = gemm("RD,EDM->RM", qx, sx, *_q(w_in_ED2m, 1, per_tensor), sizes_E, group_R, dtype)
+    gate_Rm, up_Rm = jnp.split(gate_up_R2m.astype(jnp.float32), 2, axis=-1)
+    h_Rm = (jax.nn.silu(gate_Rm) * up_Rm).astype(dtype)
+    y_RD = gemm("RM,EMD->RD", *_q(h_Rm, -1, per_tensor), *_q(w_down_EmD, 1, per_tensor), sizes_E, group_R, dtype)
+    return y_RD, (qx, sx, gate_up_R2m, sizes_E, w_in_ED2m, w_down_EmD)
 
   @jax.custom_vjp
   def run(x_RD, sizes_E, w_in_ED2m, w_down_EmD):
@@ -107,19 +110,21 @@ def _ffn(per_tensor: bool, on_gpu: bool):
 
   def backward(residuals, dy_RD):
     qx, sx, gate_up_R2m, sizes_E, w_in_ED2m, w_down_EmD = residuals
-    R, E = qx.shape[0], w_in_ED2m.shape[0]
+    R, E, dtype = qx.shape[0], w_in_ED2m.shape[0], gate_up_R2m.dtype
     group_R = _group_of_rows(sizes_E, R)
     gate_Rm, up_Rm = jnp.split(gate_up_R2m.astype(jnp.float32), 2, axis=-1)
     sig_Rm = jax.nn.sigmoid(gate_Rm)
-    h_Rm = gate_Rm * sig_Rm * up_Rm
+    h_Rm = (gate_Rm * sig_Rm * up_Rm).astype(dtype)
     # input gradients: contract the output width (each weight scaled per expert and input row)
     w_down_T = jnp.swapaxes(w_down_EmD, 1, 2)  # [E, D, m]
-    dh_Rm = gemm("RD,EMD->RM", *_q(dy_RD, -1, per_tensor), *_q(w_down_T, 1, per_tensor), sizes_E, group_R)
+    dh_Rm = gemm("RD,EMD->RM", *_q(dy_RD, -1, per_tensor), *_q(w_down_T, 1, per_tensor), sizes_E, group_R,
+                 dtype).astype(jnp.float32)
     d_up = dh_Rm * gate_Rm * sig_Rm
     d_gate = dh_Rm * up_Rm * sig_Rm * (1 + gate_Rm * (1 - sig_Rm))
-    d_gate_up_R2m = jnp.concatenate([d_gate, d_up], axis=-1)
+    d_gate_up_R2m = jnp.concatenate([d_gate, d_up], axis=-1).astype(dtype)
     w_in_T = jnp.swapaxes(w_in_ED2m, 1, 2)  # [E, 2m, D]
-    dx_RD = gemm("RM,EDM->RD", *_q(d_gate_up_R2m, -1, per_tensor), *_q(w_in_T, 1, per_tensor), sizes_E, group_R)
+    dx_RD = gemm("RM,EDM->RD", *_q(d_gate_up_R2m, -1, per_tensor), *_q(w_in_T, 1, per_tensor), sizes_E, group_R,
+                 dtype)
     # weight gradients: contract each group's rows (both operands scaled per group and column)
     x_RD = qx.astype(jnp.float32) * sx  # the forward's e4m3 rows
 
@@ -132,7 +137,7 @@ def _ffn(per_tensor: bool, on_gpu: bool):
 
     dw_in = weight_grad("RD,RM->EDM", x_RD, d_gate_up_R2m, w_in_ED2m)
     dw_down = weight_grad("RM,RD->EMD", h_Rm, dy_RD, w_down_EmD)
-    return dx_RD.astype(dy_RD.dtype), None, dw_in, dw_down
+    return dx_RD, None, dw_in, dw_down
 
   run.defvjp(forward, backward)
   return run
