@@ -209,7 +209,7 @@ def test_fp8_runs_the_recipes_gemms_on_float8(target):
   """bench-v3-1b (4 layers, batch 8 × 2,048) with train.fp8=true: of the matmul FLOPs of the recipe's GEMMs
   (attention, MLP and expert projections, forward and both gradients) at least 90% have float8 operands (rowwise
   on the H200, MXFP8 through cuDNN's block-scaled dot on the B200; bfloat16: none), and on the H200 the step's
-  temporaries are below bfloat16's (docs/precision.md: 100%, 11.03 against 12.33 GiB)."""
+  temporaries are below bfloat16's (docs/precision.md: 100%, 10.91 against 12.33 GiB)."""
   def compiled(*overrides):
     cfg = config_lib.load("configs/bench-v3-1b.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1",
                                                         "model.num_hidden_layers=4", "train.batch_size=8",
