@@ -4,7 +4,8 @@
 
 attention: tokamax Mosaic GPU / Triton flash attention vs the dense reference (MLA head dims 192/128 and grouped
 query attention 128/128, causal, packed documents); experts: tokamax's grouped GEMM vs the blocked path; dispatch:
-ragged_all_to_all vs the fixed-slot all_to_all path (one GPU's expert axis); loss: chunked vs full logits;
+ragged_all_to_all vs the fixed-slot all_to_all path (one GPU's expert axis); fp8: train.fp8's FP8 GEMMs vs the same
+recipe on float32 copies of its e4m3 operands; loss: chunked vs full logits;
 attention memory: the compiled temporaries of value and gradients for packed documents at two lengths, per
 kernel (cuDNN's dense mask grows with the square of the length, the others linearly). Kernels this GPU's compute
 capability cannot run (choice.attention_kind / matmul_kind refuse them) are reported as skipped. Prints one line
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxseek.errors import UserError
-from jaxseek.kernels import choice, flash, gpu, grouped
+from jaxseek.kernels import choice, flash, fp8_gemm, fp8_grouped, gpu, grouped
 from jaxseek.kernels.attention import dense_attention
 from jaxseek.model import loss as loss_lib
 from jaxseek.sharding import exchange, experts
@@ -98,6 +99,27 @@ def dispatch_cases():
     yield f"dispatch ragged vs fixed{' fp8' if fp8 else ''}", ragged, fixed, (x, weights, *ws), 2e-2
 
 
+def fp8_cases():
+  """train.fp8's GPU GEMMs against the same recipe through XLA's upcast path (the e4m3 values and scales are the
+  same; only the kernels differ): a projection (XLA's FP8 GEMM; on sm_100 also cuDNN's MXFP8) and the experts'
+  grouped SwiGLU (tokamax's Triton kernel on e4m3 rows vs lax.ragged_dot of their values)."""
+  ks = jax.random.split(jax.random.key(4), 6)
+  x = jax.random.normal(ks[0], (4, 2048, 2048), jnp.bfloat16)
+  w = (jax.random.normal(ks[1], (2048, 1024), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  cc = choice.capability() or 0.0
+  for recipe in ("rowwise", "tensorwise") + (("mxfp8",) if cc >= fp8_gemm.MXFP8_SM else ()):
+    ref = lambda x, w, recipe=recipe: fp8_gemm.einsum("BTD,DF->BTF", x, w, recipe, upcast=True)
+    yield f"fp8 projection {recipe}", lambda x, w, recipe=recipe: fp8_gemm.einsum("BTD,DF->BTF", x, w, recipe), \
+        ref, (x, w), 2e-2
+  R, D, M, E = 8192, 2048, 512, 32
+  sizes = jnp.asarray(np.random.default_rng(0).multinomial(R, np.ones(E) / E), jnp.int32)
+  xr = jax.random.normal(ks[2], (R, D), jnp.bfloat16)
+  ws = [(jax.random.normal(kk, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for kk, s in zip(ks[3:], [(E, D, M), (E, D, M), (E, M, D)])]
+  yield "fp8 experts rowwise", lambda x, *w: fp8_grouped.ffn(x, sizes, *w, "rowwise", True), \
+      lambda x, *w: fp8_grouped.ffn(x, sizes, *w, "rowwise", False), (xr, *ws), 2e-2
+
+
 def loss_cases():
   B, T, D, V = 4, 2048, 2048, 32768
   ks = jax.random.split(jax.random.key(2), 3)
@@ -154,7 +176,7 @@ def main() -> None:
   args = parser.parse_args()
   print(f"devices: {jax.devices()}", flush=True)
   failed = 0
-  for cases in (attention_cases, expert_cases, dispatch_cases, loss_cases):
+  for cases in (attention_cases, expert_cases, fp8_cases, dispatch_cases, loss_cases):
     for name, fn, ref, inputs, tol in cases():
       start = time.perf_counter()
       why = can_run(name)

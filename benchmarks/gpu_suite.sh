@@ -5,7 +5,8 @@
 #   2. checks every GPU kernel path against its reference path on the GPU (benchmarks/gpu_check.py);
 #   3. benchmarks each config at the largest batch that fits (from the deviceless H200 compile,
 #      docs/observability.md), halving the batch if it does not: tokens/s, TFLOP/s, MFU, peak memory;
-#   4. with time left, an A/B on bench-v3-1b: XLA's default order (train.latency_hiding=false) and cuBLAS GEMMs.
+#   4. with time left, A/Bs on bench-v3-1b: FP8 GEMMs (train.fp8=true), XLA's default order
+#      (train.latency_hiding=false) and cuBLAS GEMMs.
 # Everything is appended as JSON lines to OUT_DIR (check.jsonl, bench.jsonl) and printed.
 #
 #   benchmarks/gpu_suite.sh OUT_DIR
@@ -52,6 +53,10 @@ bench bench-v3-1b 32
 bench bench-v2-lite-8l 8
 bench bench-dense-1b 16
 
+if [ "$(elapsed)" -lt 330 ]; then
+  # FP8 GEMMs (train.fp8=true: rowwise on sm_89/sm_90, MXFP8 on sm_100) against the bfloat16 step above
+  bench bench-v3-1b 32 train.fp8=true
+fi
 if [ "$(elapsed)" -lt 360 ]; then
   # the step compiles with XLA's latency-hiding scheduler (train.latency_hiding, the default): against XLA's
   # default order; and cuBLAS instead of Triton GEMMs, which MaxText's and JAX's GPU guides set

@@ -91,13 +91,14 @@ class Letters:
       raise ValueError(f"{spec}: a projection contracts the letters ending x with those beginning w")
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str | None) -> jax.Array:
-  """jnp.einsum(spec, x, w) with its forward and both gradients' GEMMs run as `recipe` says (None: as is)."""
+def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, upcast: bool = False) -> jax.Array:
+  """jnp.einsum(spec, x, w) with its forward and both gradients' GEMMs run as `recipe` says (None: as is);
+  `upcast`: each GEMM multiplies float32 copies of its e4m3 operands (the same sums; the GPU check's reference)."""
   if recipe is None:
     return jnp.einsum(spec, x, w)
   if recipe == "blockwise":
     return _blockwise(spec, x, w)
-  return _projection(spec, recipe)(x, w)
+  return _projection(spec, recipe, upcast)(x, w)
 
 
 def _blockwise(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -112,12 +113,12 @@ def _blockwise(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _projection(spec: str, recipe: str):
+def _projection(spec: str, recipe: str, upcast: bool):
   """The custom-gradient projection `spec` under `recipe` (tensorwise, rowwise or mxfp8)."""
   n = Letters(spec)
   dx_spec, dw_spec = f"{n.ys},{n.ws}->{n.xs}", f"{n.xs},{n.ys}->{n.ws}"
   quant = _mx_quant if recipe == "mxfp8" else functools.partial(_quant, rowwise=recipe == "rowwise")
-  gemm = _mx_gemm if recipe == "mxfp8" else _gemm
+  gemm = functools.partial(_mx_gemm if recipe == "mxfp8" else _gemm, upcast=upcast)
 
   @jax.custom_vjp
   def project(x, w):
@@ -168,11 +169,13 @@ def _dequant(q: jax.Array, scale: jax.Array, recipe: str) -> jax.Array:
   return q.astype(jnp.float32) * scale
 
 
-def _gemm(spec: str, qa, sa, qb, sb, dtype) -> jax.Array:
+def _gemm(spec: str, qa, sa, qb, sb, dtype, upcast: bool = False) -> jax.Array:
   """einsum of two e4m3 operands accumulated in float32, times their scales (each constant along the
   contraction), in `dtype`."""
   inputs, out = spec.split("->")
   la, lb = inputs.split(",")
+  if upcast:
+    qa, qb = qa.astype(jnp.float32), qb.astype(jnp.float32)
   y = jnp.einsum(spec, qa, qb, preferred_element_type=jnp.float32)
   return (y * _to_output(sa, la, out) * _to_output(sb, lb, out)).astype(dtype)
 
@@ -204,10 +207,10 @@ def _mx_dequant(q: jax.Array, scale: jax.Array) -> jax.Array:
   return q.astype(jnp.float32) * jnp.repeat(scale, MX_BLOCK, axis=axis)
 
 
-def _mx_gemm(spec: str, qa, sa, qb, sb, dtype) -> jax.Array:
+def _mx_gemm(spec: str, qa, sa, qb, sb, dtype, upcast: bool = False) -> jax.Array:
   """The block-scaled product: Blackwell's MX GEMM (jax.nn.scaled_matmul) on GPU, the dequantised operands'
   float32 einsum elsewhere (the same sums)."""
-  if gpu.platform() != "gpu":
+  if upcast or gpu.platform() != "gpu":
     return jnp.einsum(spec, _mx_dequant(qa, sa), _mx_dequant(qb, sb),
                       preferred_element_type=jnp.float32).astype(dtype)
   with jax.named_scope(spec):  # the einsum's letters in the GEMM's HLO name
