@@ -29,28 +29,35 @@ CONTRACT_ROWS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-def ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, recipe: str, on_gpu: bool) -> jax.Array:
-  """The grouped SwiGLU of rows sorted by expert (rows past the groups give zeros) with FP8 GEMMs."""
+def ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, recipe: str, on_gpu: bool,
+        axes: tuple[str, ...] = ()) -> jax.Array:
+  """The grouped SwiGLU of rows sorted by expert (rows past the groups give zeros) with FP8 GEMMs. `axes`: the
+  manual mesh axes the expert hidden width m is split over (inside shard_map): the scales of the GEMMs that
+  contract m take their maximum over them, so every shard scales as one device would."""
   w_in_ED2m = jnp.concatenate([w_gate_EDm, w_up_EDm], axis=-1)
-  return _ffn(recipe == "tensorwise", on_gpu)(x_RD, sizes_E, w_in_ED2m, w_down_EmD)
+  return _ffn(recipe == "tensorwise", on_gpu, tuple(axes))(x_RD, sizes_E, w_in_ED2m, w_down_EmD)
 
 
-def _scale(a32: jax.Array, axis, per_tensor: bool) -> jax.Array:
-  return fp8._scale(jnp.max(jnp.abs(a32), axis=None if per_tensor else axis, keepdims=True))
+def _scale(a32: jax.Array, axis, per_tensor: bool, axes: tuple[str, ...] = ()) -> jax.Array:
+  amax = jnp.max(jnp.abs(a32), axis=None if per_tensor else axis, keepdims=True)
+  return fp8._scale(jax.lax.pmax(amax, axes) if axes else amax)
 
 
-def _q(a: jax.Array, axis, per_tensor: bool) -> tuple[jax.Array, jax.Array]:
-  """a as e4m3 and its float32 scales along `axis` (one for the tensor when `per_tensor`)."""
+def _q(a: jax.Array, axis, per_tensor: bool, axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+  """a as e4m3 and its float32 scales along `axis` (one for the tensor when `per_tensor`; over the mesh `axes`
+  too, where `axis` is split over them)."""
   a32 = a.astype(jnp.float32)
-  s = _scale(a32, axis, per_tensor)
+  s = _scale(a32, axis, per_tensor, axes)
   return (a32 / s).astype(E4M3), s
 
 
-def _q_groups(a_RN: jax.Array, group_R: jax.Array, E: int, per_tensor: bool) -> tuple[jax.Array, jax.Array]:
-  """a as e4m3 with one scale per expert group and column over the group's rows: (values [R, N], scales [E, N])."""
+def _q_groups(a_RN: jax.Array, group_R: jax.Array, E: int, per_tensor: bool,
+              axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+  """a as e4m3 with one scale per expert group and column over the group's rows: (values [R, N], scales [E, N]);
+  per tensor, one scale over the mesh `axes` too."""
   a32 = a_RN.astype(jnp.float32)
   if per_tensor:
-    s = _scale(a32, None, True)
+    s = _scale(a32, None, True, axes)
     return (a32 / s).astype(E4M3), jnp.broadcast_to(s, (E, a32.shape[1]))
   amax = jax.ops.segment_max(jnp.abs(a32), group_R, num_segments=E + 1)[:E]  # rows past the groups: segment E
   s_EN = fp8._scale(jnp.maximum(amax, 0))
@@ -83,8 +90,11 @@ def _group_of_rows(sizes_E: jax.Array, R: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _ffn(per_tensor: bool, on_gpu: bool):
-  """The custom-gradient grouped SwiGLU for one scaling (per tensor, or rowwise) and kernel."""
+def _ffn(per_tensor: bool, on_gpu: bool, axes: tuple[str, ...]):
+  """The custom-gradient grouped SwiGLU for one scaling (per tensor, or rowwise) and kernel. `q_m` quantises an
+  operand of a GEMM that contracts m (split over `axes`); `q` any other (one scale per tensor spans the shards)."""
+  q_m = lambda a, axis: _q(a, axis, per_tensor, axes)
+  q = lambda a, axis: _q(a, axis, per_tensor, axes if per_tensor else ())
 
   def gemm(name, q_a, s_a, q_w, s_w_EN, sizes_E, group_R, dtype):
     """Rows × their expert's weight, the row scales [R, 1] and the weight's [E, 1, N] applied outside, in `dtype`
@@ -96,12 +106,12 @@ def _ffn(per_tensor: bool, on_gpu: bool):
   def forward(x_RD, sizes_E, w_in_ED2m, w_down_EmD):
     R, E = x_RD.shape[0], w_in_ED2m.shape[0]
     group_R = _group_of_rows(sizes_E, R)
-    qx, sx = _q(x_RD, -1, per_tensor)
+    qx, sx = q(x_RD, -1)
     dtype = x_RD.dtype
-    gate_up_R2m = gemm("RD,EDM->RM", qx, sx, *_q(w_in_ED2m, 1, per_tensor), sizes_E, group_R, dtype)
+    gate_up_R2m = gemm("RD,EDM->RM", qx, sx, *q(w_in_ED2m, 1), sizes_E, group_R, dtype)
     gate_Rm, up_Rm = jnp.split(gate_up_R2m.astype(jnp.float32), 2, axis=-1)
     h_Rm = (jax.nn.silu(gate_Rm) * up_Rm).astype(dtype)
-    y_RD = gemm("RM,EMD->RD", *_q(h_Rm, -1, per_tensor), *_q(w_down_EmD, 1, per_tensor), sizes_E, group_R, dtype)
+    y_RD = gemm("RM,EMD->RD", *q_m(h_Rm, -1), *q_m(w_down_EmD, 1), sizes_E, group_R, dtype)
     return y_RD, (qx, sx, gate_up_R2m, sizes_E, w_in_ED2m, w_down_EmD)
 
   @jax.custom_vjp
@@ -117,20 +127,18 @@ def _ffn(per_tensor: bool, on_gpu: bool):
     h_Rm = (gate_Rm * sig_Rm * up_Rm).astype(dtype)
     # input gradients: contract the output width (each weight scaled per expert and input row)
     w_down_T = jnp.swapaxes(w_down_EmD, 1, 2)  # [E, D, m]
-    dh_Rm = gemm("RD,EMD->RM", *_q(dy_RD, -1, per_tensor), *_q(w_down_T, 1, per_tensor), sizes_E, group_R,
-                 dtype).astype(jnp.float32)
+    dh_Rm = gemm("RD,EMD->RM", *q(dy_RD, -1), *q(w_down_T, 1), sizes_E, group_R, dtype).astype(jnp.float32)
     d_up = dh_Rm * gate_Rm * sig_Rm
     d_gate = dh_Rm * up_Rm * sig_Rm * (1 + gate_Rm * (1 - sig_Rm))
     d_gate_up_R2m = jnp.concatenate([d_gate, d_up], axis=-1).astype(dtype)
     w_in_T = jnp.swapaxes(w_in_ED2m, 1, 2)  # [E, 2m, D]
-    dx_RD = gemm("RM,EDM->RD", *_q(d_gate_up_R2m, -1, per_tensor), *_q(w_in_T, 1, per_tensor), sizes_E, group_R,
-                 dtype)
+    dx_RD = gemm("RM,EDM->RD", *q_m(d_gate_up_R2m, -1), *q_m(w_in_T, 1), sizes_E, group_R, dtype)
     # weight gradients: contract each group's rows (both operands scaled per group and column)
     x_RD = qx.astype(jnp.float32) * sx  # the forward's e4m3 rows
 
     def weight_grad(name, a_RK, b_RN, like):
-      qa, sa_EK = _q_groups(a_RK, group_R, E, per_tensor)
-      qb, sb_EN = _q_groups(b_RN, group_R, E, per_tensor)
+      qa, sa_EK = _q_groups(a_RK, group_R, E, per_tensor, axes)
+      qb, sb_EN = _q_groups(b_RN, group_R, E, per_tensor, axes)
       with jax.named_scope(name):
         product = _per_group(qa, qb, sizes_E, on_gpu)
       return (product * sa_EK[:, :, None] * sb_EN[:, None, :]).astype(like.dtype)

@@ -149,14 +149,16 @@ def ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, implementation=
   return gpu.tokamax_ragged_dot(jax.nn.silu(gate_Rm) * up_Rm, w_down_EmD, sizes_E, implementation)[:R]
 
 
-def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str | tuple[str, str] = "auto") -> jax.Array:
+def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str | tuple = "auto") -> jax.Array:
   """SwiGLU of rows sorted by expert (group e has sizes_E[e] rows; rows past the groups give zeros), by the
   grouped matmul `matmul` (model.moe_matmul) resolves to (`choice.matmul_kind`); (model.moe_matmul, a train.fp8
-  recipe): its GEMMs in FP8 (kernels/fp8_grouped.py: tokamax's Triton kernel on GPU)."""
+  recipe, the manual mesh axes m is split over): its GEMMs in FP8 (kernels/fp8_grouped.py: tokamax's Triton
+  kernel on GPU)."""
   with jax.named_scope(EXPERT_SCOPE):  # names the experts' GEMMs in HLO and profiles (explore/compile.py counts them)
     if not isinstance(matmul, str):
-      matmul, recipe = matmul
-      return fp8_grouped.ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, recipe, choice.platform() == "gpu")
+      matmul, recipe, axes = matmul
+      return fp8_grouped.ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, recipe, choice.platform() == "gpu",
+                             axes)
     kind = choice.matmul_kind(matmul, dtype=x_RD.dtype, dims=(x_RD.shape[-1], w_gate_EDm.shape[-1]))
     if kind in choice.GPU_MATMUL:
       return ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, choice.GPU_MATMUL[kind])

@@ -76,10 +76,13 @@ class Settings:
   fp8: str | None = None  # the train.fp8 recipe of the grouped GEMMs (kernels/fp8_grouped.py; blockwise: emulated)
 
   @property
-  def ffn(self) -> str | tuple[str, str]:
+  def ffn(self) -> str | tuple[str, str, tuple[str, ...]]:
     """What the grouped SwiGLU runs (grouped.expert_ffn's `matmul`): model.moe_matmul, with FP8 GEMMs the
-    recipe beside it."""
-    return (self.matmul, self.fp8) if self.fp8 not in (None, "blockwise") else self.matmul
+    recipe beside it and the mesh axes the expert hidden width is split over (the scales of the GEMMs that
+    contract it span the whole width, as on one device). Read inside the MoE's shard_map."""
+    if self.fp8 in (None, "blockwise"):
+      return self.matmul
+    return self.matmul, self.fp8, tuple(a for a in rules.split_axes("expert_mlp") if a in _manual_axes())
 
   @classmethod
   def from_config(cls, cfg: ModelConfig, node: int | None = None) -> "Settings":
@@ -470,3 +473,8 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
           f"into a receive buffer of {recv} rows a round (model.moe_recv_factor={m.moe_recv_factor:g}: one round "
           f"from {min(P, m.n_routed_experts / K):g}, further rounds past it, none dropped); {rows}, results back in "
           f"{t.compute_dtype}{split}")
+
+
+def _manual_axes() -> tuple[str, ...]:
+  mesh = jax.sharding.get_abstract_mesh()
+  return () if mesh.empty else tuple(mesh.manual_axes)
