@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseek import config as config_lib
+from jaxseek.kernels import gpu
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import STACKS
@@ -107,7 +108,8 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   S, M = pipeline_lib.stages(), cfg.train.microbatches
   name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
   n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
-  table = tables.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
+  where = gpu.platform()
+  table = tables.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats), where)
   model = nnx.merge(trainer.graphdef, params, state.biases)
   stack = getattr(model, name)
   setattr(model, name, None)  # the rest of the model: what runs outside the stack
@@ -136,8 +138,10 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   body = remat_lib.wrap(lambda x, layer_p, layer_c, side: nnx.merge(blocks_graphdef, layer_p, layer_c)(x, *side),
                         cfg.train.remat)
 
-  def stage(x_bTD, chunk_p, chunk_c, side):
-    return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c))
+  pair = tables.pairs(cfg, where)
+
+  def stage(x_bTD, chunk_p, chunk_c, side):  # paired ticks: the chunk's layers unrolled, so two chunks interleave
+    return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=pair)
 
   B, T = batch["inputs"].shape
   batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))))
@@ -148,7 +152,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   g_stack, g_rest, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = executor.run(
       table, executor.Parts(first, stage, post), stack_params, stack_consts,
       as_computed(rest_params, cfg.train.compute_dtype), split(batch), side_M, aux_cotangent={"balance": alpha},
-      per_row=("balance",), unsplit=unsplit_leaves(rest_params))
+      per_row=("balance",), unsplit=unsplit_leaves(rest_params), pair=pair)
   g_rest = jax.tree.map(lambda g, p: g.astype(p.dtype), g_rest, rest_params)
   grads = nnx.merge_state(g_rest, nnx.State({name: nnx.State({"blocks": g_stack})}))
   stage_aux = pipeline_lib.zero_padding_rows(stage_aux, stored=jax.tree.leaves(stack_params)[0].shape[0],

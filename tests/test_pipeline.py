@@ -155,6 +155,7 @@ ONE_F_ONE_B, INTERLEAVED = "train.pipeline_schedule=1f1b", "train.pipeline_sched
 DUALPIPEV = ("train.pipeline_schedule=dualpipev", "train.pipeline_repeats=2")
 ZBV, ZB_H1 = ("train.pipeline_schedule=zbv", "train.pipeline_repeats=2"), "train.pipeline_schedule=zb_h1"
 KEEP = "train.pipeline_recompute=false"
+PAIR = "train.pipeline_overlap=true"
 
 
 @pytest.mark.parametrize("name, layers, mesh, micro, model", [
@@ -162,6 +163,12 @@ KEEP = "train.pipeline_recompute=false"
     ("tiny-dense", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", INTERLEAVED), 4, ()),  # 8 rows
     ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2", INTERLEAVED), 8,
      ()),  # 8 MoE layers in 2 chunks of 1 per stage
+    # a tick's forward beside its backward (train.pipeline_overlap): the chunks unrolled outside the conditionals,
+    # the backward a tick after the loss
+    ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.data=2", ONE_F_ONE_B, PAIR), 8, ()),
+    ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2", INTERLEAVED, PAIR), 8, ()),
+    ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2", ONE_F_ONE_B, PAIR), 4,
+     ("model.num_nextn_predict_layers=1",)),
     # zero-bubble tables: the backward split into b and W (M = S < 2S: DeepSeek's order with the missing
     # microbatches left out)
     ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", *DUALPIPEV), 4, ()),
@@ -175,7 +182,8 @@ KEEP = "train.pipeline_recompute=false"
     # F keeps the forward's residuals for b (the unit orders)
     ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", *ZBV, KEEP), 8, ()),
     ("tiny-v3", 5, ("mesh.pipeline=2", "mesh.data=1", "mesh.expert=2", "mesh.tensor=2", ZB_H1, KEEP), 4, ()),
-], ids=["v3-p4-m8-1f1b", "dense5-p2-r2-m4-interleaved-padded", "v3-p4-r2-m8-interleaved", "dense-p4-m4-dualpipev",
+], ids=["v3-p4-m8-1f1b", "dense5-p2-r2-m4-interleaved-padded", "v3-p4-r2-m8-interleaved", "v3-p4-m8-1f1b-paired",
+        "v3-p4-r2-m8-interleaved-paired", "v3-p2e2t2-m4-mtp-1f1b-paired", "dense-p4-m4-dualpipev",
         "dense-p4-m8-zbv", "dense-p2t2-m4-zb_h1", "v3-p2e2t2-m4-mtp-dualpipev", "v3-p2e2t2-m4-zbv",
         "v3-p4-m8-dualpipev", "v3-p4e2-m8-zb_h1", "dense-p4-m8-zbv-kept", "v3-p2e2t2-m4-zb_h1-kept"])
 def test_memory_bounded_schedules_equal_single_device(name, layers, mesh, micro, model):
@@ -649,3 +657,23 @@ def test_weights_outside_the_stack_enter_the_schedule_in_the_compute_dtype():
   assert {d for k, d in kinds.items() if "table_VD" in k or "head_DV" in k} == {"bfloat16"}
   assert all(d == "float32" for k, d in kinds.items() if "router" in k or "scale_D" in k)
   assert any("router" in k for k in kinds) and sum(d == "bfloat16" for d in kinds.values()) > len(kinds) // 2
+
+
+def test_paired_ticks_hold_a_forward_and_a_backward_that_do_not_wait_for_each_other():
+  """1F1B pairs a tick's forward with a backward whose cotangent is not that tick's loss: without the delay the
+  last stage never pairs (it runs a microbatch's loss and backward after its forward), with it every stage's
+  steady ticks pair; the delay costs one tick and leaves the bubble as it was. Split tables never pair."""
+  S, M = 4, 8
+  plain, delayed = tables.one_f_one_b(S, M, 1), tables.one_f_one_b(S, M, 1, delay=1)
+  assert plain.paired()[:, S - 1].sum() == 0 and delayed.paired()[:, S - 1].sum() == M - 1
+  assert (delayed.paired().sum(0) > plain.paired().sum(0)[0] - 2).all()
+  assert delayed.ticks == plain.ticks + 1 and delayed.bubble() == pytest.approx(plain.bubble())
+  for table in (plain, delayed, tables.one_f_one_b(S, M, 2, delay=1)):
+    p = table.paired()
+    st = table.steps
+    assert ((st["f_micro"] >= 0) & (st["b_micro"] >= 0))[p].all()
+    assert not ((st["loss_grad"] >= 0) & (st["loss_grad"] == st["b_grad"]))[p].any()
+  assert not tables.table("zbv", S, M, 2).paired().any()
+  cfg = load_config("tiny-v3", "train.pipeline_schedule=1f1b")
+  assert tables.pairs(cfg, "gpu") and not tables.pairs(cfg, "cpu")
+  assert tables.for_config(cfg, S, 1, "gpu").ticks == plain.ticks + 1

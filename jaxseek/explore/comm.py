@@ -535,7 +535,7 @@ def _expert_items(x: dict[str, Any]) -> list[tuple]:
   return items
 
 
-def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dict[str, float]:
+def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> dict[str, float]:
   """FLOPs per device per step, the time at peak, and the pipeline bubble's share (the pipelined stacks'
   compute stretched by ticks / (R·M)); under 1F1B the pipelined stacks' forward runs twice (recomputed in the
   backward) unless train.remat=full already counts it."""
@@ -558,7 +558,7 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
       if one_f_one_b:
         from jaxseek.pipeline import tables
 
-        stretch = 1 / (1 - tables.for_config(cfg, S, R).bubble())
+        stretch = 1 / (1 - tables.for_config(cfg, S, R, platform).bubble())
         if cfg.train.remat != "full":  # 1F1B recomputes each chunk's forward in its backward
           seconds += seconds * share * padded / 3
       else:

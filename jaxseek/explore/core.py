@@ -131,7 +131,7 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
     pipeline_lib.check_stacks(cfg, sizes["pipeline"])
   memory = memory_lib.memory(model, sizes, platform)
   comm = comm_lib.communication(model, sizes, hw, memory["stage"], platform)
-  compute = comm_lib.compute_seconds(model, sizes, hw)
+  compute = comm_lib.compute_seconds(model, sizes, hw, platform)
   usable = int(hw.memory_bytes * hw.usable_fraction)
   t = cfg.train
   return {

@@ -10,8 +10,9 @@ apart (`always_*`): all but the dropless exchange's further rounds, which run on
 the frontend attribute `jaxseek_round="further"`, sharding/experts.py).
 
 Each collective is weighted by how often it runs: the product of the `known_trip_count`s of the while loops
-whose bodies hold it. A conditional's branches each count as if taken every time (an upper bound: the table
-schedules' `lax.switch` takes one branch a tick).
+whose bodies hold it. A conditional's branches each count as if taken every time (an upper bound: a pipeline
+tick's forward runs in some ticks only), except where a branch's ops say what share of the runs takes it
+(`jaxseek_share`, set by the pipeline executor on a tick's paired and serial branches: pipeline/executor.py).
 
 That a kernel lies between start and done says nothing of how long it runs: a few small fusions beside a large
 exchange hide little of it. Given `Rates` (the device's peak, its memory bandwidth and its links), `overlap`
@@ -44,6 +45,7 @@ _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_SHARE = re.compile(r'jaxseek_share="([\d.e+-]+)"')  # pipeline/executor.py SHARE
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? \{([^}]*)\}")
@@ -135,21 +137,35 @@ def callees(instruction: dict[str, Any]) -> list[tuple[str, str]]:
   return found
 
 
-def weights(module: dict[str, list[dict[str, Any]]], entry: str) -> dict[str, int]:
-  """How many times each computation runs per execution of `entry` (while bodies × their trip counts)."""
+def weights(module: dict[str, list[dict[str, Any]]], entry: str) -> dict[str, float]:
+  """How many times each computation runs per execution of `entry` (while bodies × their trip counts; a
+  conditional's branch × the share its ops carry, where the conditional carries none itself)."""
   out = {entry: 1}
   stack = [entry]
   while stack:
     caller = stack.pop()
     for instruction in module.get(caller, []):
       trips = _TRIP.search(instruction["attrs"])
+      own_share = _SHARE.search(instruction["attrs"]) is not None
       for key, callee in callees(instruction):
         if callee not in module or instruction["opcode"] == "async-start":
           continue  # an async wrapper's computation is its start / done pair, counted there
         n = out[caller] * (int(trips.group(1)) if trips and key in ("body", "condition") else 1)
+        if key == "branch" and not own_share:
+          n *= branch_share(module[callee])
         out[callee] = out.get(callee, 0) + n
         stack.append(callee)
   return out
+
+
+def branch_share(instructions: list[dict[str, Any]]) -> float:
+  """The share of its conditional's runs a branch computation takes: the `jaxseek_share` its ops carry (1: every
+  run, an upper bound, where none does)."""
+  for instruction in instructions:
+    found = _SHARE.search(instruction["attrs"])
+    if found:
+      return float(found.group(1))
+  return 1.0
 
 
 def _launches(module, name: str, memo: dict[str, bool]) -> bool:

@@ -12,12 +12,18 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import PartitionSpec as P
 
 from jaxseek.pipeline import wsplit
 from jaxseek.pipeline.restgrads import RestGrads, used_leaves
 from jaxseek.pipeline.tables import Table
 from jaxseek.sharding.rules import PIPELINE_AXIS as AXIS
+
+PAIRED, SERIAL = "pipeline_paired", "pipeline_serial"  # the scopes of a paired tick's branches
+# the share of ticks a branch of the tick's conditional runs, on its ops in the compiled program, where the HLO's
+# readers weigh them by it (explore/overlap.py)
+SHARE = "jaxseek_share"
 
 
 class Parts(NamedTuple):
@@ -30,7 +36,8 @@ class Parts(NamedTuple):
 
 
 def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, batch_M, side_M, *,
-        aux_cotangent: dict[str, float], per_row: tuple[str, ...], unsplit: tuple[bool, ...] | None = None):
+        aux_cotangent: dict[str, float], per_row: tuple[str, ...], unsplit: tuple[bool, ...] | None = None,
+        pair: bool = False):
   """The forward and backward of the whole model, its pipelined stack interleaved as `table` says.
 
   `parts`: first_fn(rest_params, batch_b) → x_bTD is the model before the pipelined stack for one microbatch
@@ -42,7 +49,10 @@ def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, bat
   rest's leaves no automatic mesh axis splits (all when None): only those share the flat accumulator of
   `RestGrads` (a split one would be resharded to be laid into it). `batch_M` and `side_M`
   are per-microbatch trees [M, b, ...]. Each aux entry k enters the objective as aux_cotangent[k] · its sum (0
-  when absent); entries named in `per_row` are per-sequence [C, b] and are summed over rows here.
+  when absent); entries named in `per_row` are per-sequence [C, b] and are summed over rows here. `pair`
+  (train.pipeline_overlap): a tick whose forward and backward do not wait for each other (`Table.paired`) runs
+  both in one branch with the chunks outside any conditional, so XLA can schedule each one's collectives beside
+  the other's compute (DualPipe's pairing); other ticks run as without it.
 
   Returns (g_stage_params, g_rest_params, stats summed over microbatches, aux summed over microbatches
   [L, ...]). Virtual stage 0 keeps no hidden state for its backward: it recomputes first_fn from the batch.
@@ -51,7 +61,7 @@ def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, bat
 
   def per_stage(sp, sc, rp, batch_M, side_M, aux_cotangent):
     stage = _Stage(table, parts, sp, sc, rp, batch_M, side_M, aux_cotangent=aux_cotangent, per_row=per_row,
-                   unsplit=unsplit)
+                   unsplit=unsplit, pair=pair)
     carry, _ = jax.lax.scan(stage.tick, stage.init(), jnp.arange(table.ticks))
     _, _, _, g_sp, g_rp, stats, aux_acc = carry
     shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
@@ -79,13 +89,14 @@ class _Stage:
   chunk gradients [R, C, ...], gradients of the rest of the model, loss stats, aux [R, C, ...])."""
 
   def __init__(self, table: Table, parts: Parts, sp, sc, rp, batch_M, side_M, *, aux_cotangent, per_row,
-               unsplit=None):
+               unsplit=None, pair=False):
     first_fn, stage_fn, post_fn = parts
     self.table, self.first_fn, self.stage_fn, self.post_fn = table, first_fn, stage_fn, post_fn
     self.rp, self.batch_M, self.side_M, self.aux_cotangent = rp, batch_M, side_M, aux_cotangent
     self.s = jax.lax.axis_index(AXIS)
     self.steps = {k: jnp.asarray(v) for k, v in table.steps.items()}
     self.virtual = jnp.asarray(table.virtual)
+    self.pairs = jnp.asarray(table.paired()) if pair and table.paired().any() else None
     by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(table.repeats, -1, *a.shape[1:]), tree)
     self.sp_R, self.sc_R = by_chunk(sp), by_chunk(sc)
     self.x_shape = jax.eval_shape(lambda: first_fn(rp, _at(batch_M, 0)))
@@ -266,8 +277,29 @@ class _Stage:
     return {k: a.sum(-1) if self.rows[k] else a for k, a in aux.items()}
 
   def tick(self, carry, t):
-    """One tick: the forward, the loss where a microbatch leaves the last virtual stage, the backward (b in a
-    split table, its stash kept), W (split tables), then the sends."""
+    """One tick: its work (side by side where the table pairs it, else one op after the other), then the sends."""
+    if self.pairs is None:
+      carry, y, g_xb = self.serial(carry, t)
+    else:
+      share = float(self.table.paired().mean())  # of a stage's ticks, over the stages
+
+      def serial(carry):
+        with jax.named_scope(SERIAL), set_xla_metadata(**{SHARE: f"{1 - share:.6g}"}):
+          return self.serial(carry, t)
+
+      def paired(carry):
+        with jax.named_scope(PAIRED), set_xla_metadata(**{SHARE: f"{share:.6g}"}):
+          return self.paired(carry, t)
+
+      carry, y, g_xb = jax.lax.cond(self.pairs[t, self.s], paired, serial, carry)
+    buf, grads, *rest = carry
+    buf, grads = self.send("f", y, buf, t), self.send("b", g_xb, grads, t)
+    return (buf, grads, *rest), None
+
+  def serial(self, carry, t):
+    """A tick's work one op after the other: the forward, the loss where a microbatch leaves the last virtual
+    stage, the backward (b in a split table, its stash kept), W (split tables). (carry, forward output, the
+    backward's input cotangent) for the sends."""
     buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc = carry
     col = lambda k: self.steps[k][t, self.s]
     fm, fr, fs, bm, br, bs, bg, lg = (col(k) for k in (
@@ -313,8 +345,49 @@ class _Stage:
     if self.table.split:  # the W of this tick, from its stash
       g_sp = jax.lax.cond(has_w, lambda g: self._accumulate(g, wr, self.w_leaves,
                                                             self.weights(_at(stash, wst), wr, wm)), lambda g: g, g_sp)
-    buf, grads = self.send("f", y, buf, t), self.send("b", g_xb, grads, t)
-    return (buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc), None
+    return (buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc), y, g_xb
+
+  def paired(self, carry, t):
+    """A tick whose forward and backward do not wait for each other (Table.paired; never a split table): both
+    chunks outside any conditional, so their collectives and compute interleave. The cotangent is read before the
+    loss writes its slot; the loss's gradient of the rest is added before the backward's (first_fn's, virtual
+    stage 0), so the loss waits only for the forward."""
+    buf, grads, stash_res, g_sp, g_rp, stats, aux_acc = carry
+    col = lambda k: jnp.maximum(self.steps[k][t, self.s], 0)
+    fm, fr, fs, bm, br, bs, bg = (col(k) for k in ("f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot",
+                                                   "b_grad"))
+    lg = self.steps["loss_grad"][t, self.s]
+    g_in = grads[bg]
+    with jax.named_scope("pipeline_forward"):
+      y, aux = self.chunk(self.entering(buf[fs], fr, fm), _at(self.sp_R, fr), fr, fm)
+    aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(a), aux_acc, self.summed(aux))
+    with jax.named_scope("pipeline_backward"):
+      x = self.entering(buf[bs], br, bm)
+      (_, aux_b), pull = jax.vjp(lambda x, p: self.chunk(x, p, br, bm), x, _at(self.sp_R, br))
+      g_x, g_p = pull((g_in, {k: _cotangent(a, self.aux_cotangent.get(k, 0.0)) for k, a in aux_b.items()}))
+    g_y, g_rp, stats_m = jax.lax.cond(lg >= 0, lambda g: self.post_grad(y, fm, g),
+                                      lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
+    grads = _put(grads, jnp.maximum(lg, 0), g_y, lg >= 0)
+    first_here = self.virtual[self.s, br] == 0
+    with jax.named_scope("pipeline_backward"):
+      g_rp = jax.lax.cond(first_here, lambda g: self.add_first_grad(g, bm, g_x), lambda g: g, g_rp)
+    g_sp = self._accumulate(g_sp, br, self.b_leaves, jax.tree.leaves(g_p))
+    stats = jax.tree.map(jnp.add, stats, stats_m)
+    g_xb = jnp.where(first_here, jnp.zeros_like(g_x), g_x)
+    return (buf, grads, stash_res, g_sp, g_rp, stats, aux_acc), y, g_xb
+
+  def entering(self, x, r, m):
+    """Chunk r's input on microbatch m: on virtual stage 0 first_fn of the batch, else `x` (only first_fn under
+    the conditional)."""
+    return jax.lax.cond(self.virtual[self.s, r] == 0, lambda: self.first(m), lambda: x)
+
+  def add_first_grad(self, g_rp, m, g_x):
+    """g_rp plus first_fn's gradient on microbatch m for its output's cotangent g_x (its forward run again)."""
+    lay = self.layout
+    _, pull = jax.vjp(lambda q: self.first_fn(lay.with_leaves(self.rp, "first", q), _at(self.batch_M, m)),
+                      lay.read(self.rp, "first"))
+    g_first, = pull(g_x)
+    return lay.add(g_rp, "first", g_first)
 
   def _accumulate(self, g_sp, r, leaves: list[int], values: list):
     """g_sp with `values` (the gradients of the chunk's leaves `leaves`) added to chunk r's."""

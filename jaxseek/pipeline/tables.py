@@ -88,6 +88,15 @@ class Table:
     total = per_stage.max(axis=1).sum()
     return float(1 - per_stage.sum(axis=0).max() / total)
 
+  def paired(self) -> np.ndarray:
+    """[ticks, S] bool: where a stage's tick runs a forward and a backward that do not wait for each other (the
+    backward's cotangent is not the loss of this tick's forward), so the executor can run them side by side in one
+    program (train.pipeline_overlap). Split tables run one op a tick: never."""
+    if self.split:
+      return np.zeros(self.f_micro.shape, bool)
+    loss, grad = self.steps["loss_grad"], self.steps["b_grad"]
+    return (self.f_micro >= 0) & (self.b_micro >= 0) & ~((loss >= 0) & (grad == loss))
+
   def kept(self) -> dict[str, int]:
     """What a stage's buffers hold: stage inputs, cotangents, (split tables) stashes and (kept residuals)
     forward residuals, in chunks."""
@@ -95,21 +104,32 @@ class Table:
             **({"residuals": self.residual_slots} if self.residual_slots else {})}
 
 
-def for_config(cfg, S: int, R: int) -> Table:
-  """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds."""
+def pairs(cfg, where: str) -> bool:
+  """train.pipeline_overlap resolved on platform `where`: auto pairs on GPU and TPU (on CPU it only costs compile
+  time)."""
+  setting = cfg.train.pipeline_overlap
+  return setting is True or (setting == "auto" and where in ("gpu", "tpu")
+                             and cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b"))
+
+
+def for_config(cfg, S: int, R: int, where: str = "cpu") -> Table:
+  """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds, as it runs on
+  platform `where` (train.pipeline_overlap)."""
   t = cfg.train
-  return table(t.pipeline_schedule, S, t.microbatches, R, t.pipeline_stashes, t.pipeline_recompute)
+  return table(t.pipeline_schedule, S, t.microbatches, R, t.pipeline_stashes, t.pipeline_recompute,
+               paired=pairs(cfg, where))
 
 
-def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool = True) -> Table:
+def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool = True,
+          paired: bool = False) -> Table:
   """The table of schedule `name` (a train.pipeline_schedule value) for S stages, M microbatches, R rounds;
   `recompute` (split tables): b recomputes the chunk's forward (orders packed for b costing two), else F keeps
-  the forward's residuals for b (the unit orders, F = b = W = 1). Any other name (gpipe, circular: no table)
-  raises ValueError."""
+  the forward's residuals for b (the unit orders, F = b = W = 1); `paired` (1F1B): each backward a tick after
+  the loss, so the last stage's ticks pair too. Any other name (gpipe, circular: no table) raises ValueError."""
   if name in SPLIT:
     return from_order(zero_bubble_order(name, S, M, packed=recompute, stashes=stashes), kept=not recompute)
   if name in ("1f1b", "interleaved_1f1b"):
-    return one_f_one_b(S, M, R)
+    return one_f_one_b(S, M, R, delay=int(paired))
   raise ValueError(f"no table for schedule {name!r}; the table schedules are 1f1b, interleaved_1f1b, "
                    f"{', '.join(SPLIT)}")
 
@@ -151,10 +171,13 @@ def work_items(S: int, M: int, R: int) -> list[tuple[int, int] | None]:
   return items
 
 
-def one_f_one_b(S: int, M: int, R: int = 1) -> Table:
+def one_f_one_b(S: int, M: int, R: int = 1, delay: int = 0) -> Table:
   """The 1F1B table (interleaved over R chunks per stage when R > 1). Work item k = g·R·S + r·S + i of a stage
   is microbatch g·S + i in round r (microbatches go round in groups of S, as in the circular schedule); its
-  forward runs on stage s at tick s + k, and its backward once the last virtual stage has run the loss."""
+  forward runs on stage s at tick s + k, and its backward `delay` ticks after the last virtual stage has run the
+  loss. With delay 1 (train.pipeline_overlap) the last stage runs a microbatch's backward beside the next one's
+  forward instead of after it in the same tick, so every stage's steady ticks pair a forward with a backward that
+  does not wait for it (`Table.paired`), for one tick more and a stage input and a cotangent more kept."""
   items = work_items(S, M, R)
   last = {m: k for k, item in enumerate(items) if item is not None for m, r in [item] if r == R - 1}
   f_tick, b_tick = {}, {}  # (m, v) → tick
@@ -163,7 +186,7 @@ def one_f_one_b(S: int, M: int, R: int = 1) -> Table:
       if item is not None:
         m, r = item
         f_tick[m, r * S + s] = s + k
-        b_tick[m, r * S + s] = (S - 1 + last[m]) + (R * S - 1 - (r * S + s))
+        b_tick[m, r * S + s] = (S - 1 + last[m]) + delay + (R * S - 1 - (r * S + s))
   virtual = np.arange(R)[None, :] * S + np.arange(S)[:, None]
   return build(S, M, R, virtual, f_tick, b_tick)
 
