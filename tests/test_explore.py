@@ -790,3 +790,64 @@ ENTRY %main (a: f8e4m3fn[64,128], b: f8e4m3fn[128,32], g: bf16[64,32], v: bf16[1
   assert got["recipe"] == projection + gradient + expert
   assert got["recipe_f8"] == projection + expert
   assert got["all"] == got["recipe"] + head and got["all_f8"] == got["recipe_f8"]
+
+
+def test_overlap_weighs_a_pipeline_ticks_branches_by_their_share():
+  """A loop of 10 ticks whose conditional runs a paired branch (share 0.3: an all-gather with a fusion beside it)
+  or a serial one (share 0.7: an all-gather with nothing beside it, and a conditional inside it whose branch
+  carries the serial share too, since its ops were made inside it: not applied twice). 3 paired and 7 + 7 serial
+  runs, so 3 of 17 all-gathers overlap; without the shares every branch would count 10 times."""
+  from jaxseek.explore import overlap
+
+  gather = lambda name, share: (
+      f"%{name} (x: f32[8]) -> f32[8] {{\n  %x = f32[8]{{0}} parameter(0)\n"
+      f"  %s = (f32[4]{{0}}, f32[8]{{0}}) all-gather-start(%x), channel_id=1, replica_groups={{{{0,1}}}}, "
+      f"dimensions={{0}}, frontend_attributes={{jaxseek_share=\"{share}\"}}\n"
+      + ("  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add\n" if name == "paired" else "")
+      + f"  ROOT %d = f32[8]{{0}} all-gather-done(%s)\n}}\n")
+  hlo = f"""HloModule m, is_scheduled=true
+
+%fused_add (p0: f32[8]) -> f32[8] {{
+  %p0 = f32[8]{{0}} parameter(0)
+  ROOT %add = f32[8]{{0}} add(%p0, %p0)
+}}
+
+{gather("paired", 0.3)}
+{gather("inner", 0.7)}
+%skip (y: f32[8]) -> f32[8] {{
+  ROOT %y = f32[8]{{0}} parameter(0)
+}}
+
+%serial (x: f32[8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  %s = (f32[4]{{0}}, f32[8]{{0}}) all-gather-start(%x), channel_id=2, replica_groups={{{{0,1}}}}, dimensions={{0}}, frontend_attributes={{jaxseek_share="0.7"}}
+  %d = f32[8]{{0}} all-gather-done(%s)
+  %p = pred[] constant(true)
+  ROOT %c = f32[8]{{0}} conditional(%p, %d, %d), true_computation=%inner, false_computation=%skip, frontend_attributes={{jaxseek_share="0.7"}}
+}}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %t = (s32[], f32[8]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8]{{0}} get-tuple-element(%t), index=1
+  %b = s32[] constant(1)
+  %y = f32[8]{{0}} conditional(%b, %x, %x), branch_computations={{%serial, %paired}}
+  ROOT %out = (s32[], f32[8]{{0}}) tuple(%i, %y)
+}}
+
+%cond (c: (s32[], f32[8])) -> pred[] {{
+  %c = (s32[], f32[8]{{0}}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}}
+
+ENTRY %main (x: f32[8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{{0}}) tuple(%zero, %x)
+  %w = (s32[], f32[8]{{0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"10"}}}}
+  ROOT %r = f32[8]{{0}} get-tuple-element(%w), index=1
+}}
+"""
+  row = overlap.overlap(hlo)["all-gather"]
+  assert row["ops"] == pytest.approx(17) and row["overlapped"] == pytest.approx(3)
+  assert row["bytes"] == pytest.approx(17 * 32) and row["overlapped_bytes"] == pytest.approx(3 * 32)

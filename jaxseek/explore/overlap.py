@@ -151,7 +151,7 @@ def weights(module: dict[str, list[dict[str, Any]]], entry: str) -> dict[str, fl
         if callee not in module or instruction["opcode"] == "async-start":
           continue  # an async wrapper's computation is its start / done pair, counted there
         n = out[caller] * (int(trips.group(1)) if trips and key in ("body", "condition") else 1)
-        if key == "branch" and not own_share:
+        if key in ("branch", "true_computation", "false_computation") and not own_share:
           n *= branch_share(module[callee])
         out[callee] = out.get(callee, 0) + n
         stack.append(callee)
