@@ -140,8 +140,8 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
 
   pair = tables.pairs(cfg, where)
 
-  def stage(x_bTD, chunk_p, chunk_c, side):  # paired ticks: the chunk's layers unrolled, so two chunks interleave
-    return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=pair)
+  def stage(x_bTD, chunk_p, chunk_c, side, unroll=False):  # unrolled in paired ticks, so two chunks interleave
+    return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
 
   B, T = batch["inputs"].shape
   batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))))

@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "whose stage count divides a layer stack)")
   parser.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to show")
   parser.add_argument("--json", help="write the result as JSON (schema in docs/explore.md)")
+  parser.add_argument("--hlo", help="--compile --target: write the compiled step's optimised, scheduled HLO here")
   parser.add_argument("--plot", help="write a PNG of the memory per device and the parameter layouts")
   return parser.parse_args(argv)
 
@@ -109,7 +110,9 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
     from jaxseek.explore import overlap as explore_overlap
 
     compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node, hw)
-    compiled.pop("hlo")
+    hlo = compiled.pop("hlo")
+    if args.hlo:
+      Path(args.hlo).write_text(hlo)
     compiled["overlap"] = explore_overlap.beside_estimate(compiled["overlap"], result["communication"],
                                                           result["step_time_s"])
     result["compiled"] = {**compiled, **explore_compile.predicted(result, compiled["batch_bytes"])}
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
       raise UserError(f"{flag} {rate:g} must be a positive number")
   if not 0 < args.usable_fraction <= 1:
     raise UserError(f"--usable-fraction {args.usable_fraction:g} must be in (0, 1], e.g. 0.9")
-  for flag, path in (("--json", args.json), ("--plot", args.plot)):
+  if args.hlo and not (args.compile and args.target):
+    raise UserError("--hlo writes the program --compile --target compiles: add them, e.g. --compile --target h100")
+  for flag, path in (("--json", args.json), ("--plot", args.plot), ("--hlo", args.hlo)):
     if path:
       writable_file(path, flag)
   cfg = config_lib.load(args.config, args.overrides)
