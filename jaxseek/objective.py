@@ -140,7 +140,9 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
 
   pair = tables.pairs(cfg, where)
 
-  def stage(x_bTD, chunk_p, chunk_c, side, unroll=False):  # unrolled in paired ticks, so two chunks interleave
+  # train.pipeline_overlap: the chunk's layers unrolled, so that one layer's exchange can run beside another's
+  # compute (the next layer's weight gradients in a backward; the other chunk's layers in a paired tick)
+  def stage(x_bTD, chunk_p, chunk_c, side, unroll=pair):
     return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
 
   B, T = batch["inputs"].shape
