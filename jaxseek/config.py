@@ -457,6 +457,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return _coerce(value, option, key)
       except UserError as e:
         errors.append(e)
+    literals = [a for o in options if typing.get_origin(o) is Literal for a in typing.get_args(o)]
+    if literals and bool in options:  # e.g. Literal["auto"] | bool: name every choice in one line
+      raise UserError(f"config key {key}: {value!r} is not one of true, false, {', '.join(map(repr, literals))}")
     raise errors[0]
   if origin is Literal:
     allowed = typing.get_args(tp)
