@@ -108,15 +108,14 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   S, M = pipeline_lib.stages(), cfg.train.microbatches
   name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
   n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
-  where = gpu.platform()
-  table = tables.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats), where)
+  table = tables.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats),
+                            where := gpu.platform())
   model = nnx.merge(trainer.graphdef, params, state.biases)
   stack = getattr(model, name)
   setattr(model, name, None)  # the rest of the model: what runs outside the stack
   rest_graphdef, rest_params, rest_other = nnx.split(model, nnx.Param, ...)
   blocks_graphdef, stack_params, stack_consts = nnx.split(stack.blocks, nnx.Param, ...)
-  order = STACKS
-  before, after = order[:order.index(name)], order[order.index(name) + 1:]
+  before, after = STACKS[:STACKS.index(name)], STACKS[STACKS.index(name) + 1:]
   rest = lambda p: nnx.merge(rest_graphdef, p, rest_other)
 
   def first(p, mb):
@@ -137,11 +136,8 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
 
   body = remat_lib.wrap(lambda x, layer_p, layer_c, side: nnx.merge(blocks_graphdef, layer_p, layer_c)(x, *side),
                         cfg.train.remat)
+  pair = tables.pairs(cfg, where)  # and the chunk's layers unrolled: one layer's exchange beside another's compute
 
-  pair = tables.pairs(cfg, where)
-
-  # train.pipeline_overlap: the chunk's layers unrolled, so that one layer's exchange can run beside another's
-  # compute (the next layer's weight gradients in a backward; the other chunk's layers in a paired tick)
   def stage(x_bTD, chunk_p, chunk_c, side, unroll=pair):
     return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
 
