@@ -136,9 +136,9 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
 
   body = remat_lib.wrap(lambda x, layer_p, layer_c, side: nnx.merge(blocks_graphdef, layer_p, layer_c)(x, *side),
                         cfg.train.remat)
-  pair = tables.pairs(cfg, where)  # and the chunk's layers unrolled: one layer's exchange beside another's compute
+  pair = tables.pairs(cfg, where)
 
-  def stage(x_bTD, chunk_p, chunk_c, side, unroll=pair):
+  def stage(x_bTD, chunk_p, chunk_c, side, unroll=False):  # unrolled in paired ticks, so two chunks interleave
     return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
 
   B, T = batch["inputs"].shape

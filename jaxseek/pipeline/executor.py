@@ -7,7 +7,6 @@ them out.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -98,9 +97,6 @@ class _Stage:
     self.steps = {k: jnp.asarray(v) for k, v in table.steps.items()}
     self.virtual = jnp.asarray(table.virtual)
     self.pairs = jnp.asarray(table.paired()) if pair and table.paired().any() else None
-    if self.pairs is not None:  # the shares of ticks (over the stages) paired with a backward not on / on v0
-      b_first = (table.b_micro >= 0) & (table.virtual[np.arange(table.stages)[None], np.maximum(table.b_chunk, 0)] == 0)
-      self.shares = np.array([(table.paired() & ~b_first).mean(), (table.paired() & b_first).mean()])
     by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(table.repeats, -1, *a.shape[1:]), tree)
     self.sp_R, self.sc_R = by_chunk(sp), by_chunk(sc)
     self.x_shape = jax.eval_shape(lambda: first_fn(rp, _at(batch_M, 0)))
@@ -285,17 +281,17 @@ class _Stage:
     if self.pairs is None:
       carry, y, g_xb = self.serial(carry, t)
     else:
-      branches = []
-      for name, work, share in ((SERIAL, self.serial, 1 - self.shares.sum()),
-                                (PAIRED, functools.partial(self.paired, first=False), self.shares[0]),
-                                (PAIRED, functools.partial(self.paired, first=True), self.shares[1])):
-        def branch(carry, name=name, work=work, share=share):
-          with jax.named_scope(name), set_xla_metadata(**{SHARE: f"{share:.6g}"}):
-            return work(carry, t)
-        branches.append(branch)
-      first_b = self.virtual[self.s, jnp.maximum(self.steps["b_chunk"][t, self.s], 0)] == 0
-      which = jnp.where(self.pairs[t, self.s], 1 + first_b.astype(jnp.int32), 0)
-      carry, y, g_xb = jax.lax.switch(which, branches, carry)
+      share = float(self.table.paired().mean())  # of a stage's ticks, over the stages
+
+      def serial(carry):
+        with jax.named_scope(SERIAL), set_xla_metadata(**{SHARE: f"{1 - share:.6g}"}):
+          return self.serial(carry, t)
+
+      def paired(carry):
+        with jax.named_scope(PAIRED), set_xla_metadata(**{SHARE: f"{share:.6g}"}):
+          return self.paired(carry, t)
+
+      carry, y, g_xb = jax.lax.cond(self.pairs[t, self.s], paired, serial, carry)
     buf, grads, *rest = carry
     buf, grads = self.send("f", y, buf, t), self.send("b", g_xb, grads, t)
     return (buf, grads, *rest), None
@@ -351,11 +347,11 @@ class _Stage:
                                                             self.weights(_at(stash, wst), wr, wm)), lambda g: g, g_sp)
     return (buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc), y, g_xb
 
-  def paired(self, carry, t, first: bool):
+  def paired(self, carry, t):
     """A tick whose forward and backward do not wait for each other (Table.paired; never a split table): both
-    chunks outside any conditional, so their collectives and compute interleave. `first`: the backward's chunk is
-    on virtual stage 0 (its input is first_fn of the batch, differentiated with it). The cotangent is read
-    before the loss writes its slot, and the loss waits only for the forward."""
+    chunks outside any conditional and unrolled, so their collectives and compute interleave (only first_fn is
+    under one, on virtual stage 0, where the backward's gradient of first_fn runs its forward again). The
+    cotangent is read before the loss writes its slot, and the loss waits only for the forward."""
     buf, grads, stash_res, g_sp, g_rp, stats, aux_acc = carry
     col = lambda k: jnp.maximum(self.steps[k][t, self.s], 0)
     fm, fr, fs, bm, br, bs, bg = (col(k) for k in ("f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot",
@@ -363,27 +359,32 @@ class _Stage:
     lg = self.steps["loss_grad"][t, self.s]
     g_in = grads[bg]
     with jax.named_scope("pipeline_forward"):
-      x = jax.lax.cond(self.virtual[self.s, fr] == 0, lambda: self.first(fm), lambda: buf[fs])
-      y, aux = self.chunk(x, _at(self.sp_R, fr), fr, fm, unroll=True)
+      y, aux = self.chunk(self.entering(buf[fs], fr, fm), _at(self.sp_R, fr), fr, fm, unroll=True)
     aux_acc = jax.tree.map(lambda acc, a: acc.at[fr].add(a), aux_acc, self.summed(aux))
-    lay = self.layout
     with jax.named_scope("pipeline_backward"):
-      if first:
-        x, pull_first = jax.vjp(lambda q: self.first_fn(lay.with_leaves(self.rp, "first", q), _at(self.batch_M, bm)),
-                                lay.read(self.rp, "first"))
-      else:
-        x = buf[bs]
+      x = self.entering(buf[bs], br, bm)
       (_, aux_b), pull = jax.vjp(lambda x, p: self.chunk(x, p, br, bm, unroll=True), x, _at(self.sp_R, br))
       g_x, g_p = pull((g_in, {k: _cotangent(a, self.aux_cotangent.get(k, 0.0)) for k, a in aux_b.items()}))
     g_y, g_rp, stats_m = jax.lax.cond(lg >= 0, lambda g: self.post_grad(y, fm, g),
                                       lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
     grads = _put(grads, jnp.maximum(lg, 0), g_y, lg >= 0)
-    if first:
-      g_rp = lay.add(g_rp, "first", pull_first(g_x)[0])
-      g_x = jnp.zeros_like(g_x)
+    first_b = self.virtual[self.s, br] == 0
+    with jax.named_scope("pipeline_backward"):
+      g_rp = jax.lax.cond(first_b, lambda g: self.add_first_grad(g, bm, g_x), lambda g: g, g_rp)
     g_sp = self._accumulate(g_sp, br, self.b_leaves, jax.tree.leaves(g_p))
     stats = jax.tree.map(jnp.add, stats, stats_m)
-    return (buf, grads, stash_res, g_sp, g_rp, stats, aux_acc), y, g_x
+    return (buf, grads, stash_res, g_sp, g_rp, stats, aux_acc), y, jnp.where(first_b, jnp.zeros_like(g_x), g_x)
+
+  def entering(self, x, r, m):
+    """Chunk r's input on microbatch m: on virtual stage 0 first_fn of the batch, else `x`."""
+    return jax.lax.cond(self.virtual[self.s, r] == 0, lambda: self.first(m), lambda: x)
+
+  def add_first_grad(self, g_rp, m, g_x):
+    """g_rp plus first_fn's gradient on microbatch m for its output's cotangent g_x (its forward run again)."""
+    lay = self.layout
+    _, pull = jax.vjp(lambda q: self.first_fn(lay.with_leaves(self.rp, "first", q), _at(self.batch_M, m)),
+                      lay.read(self.rp, "first"))
+    return lay.add(g_rp, "first", pull(g_x)[0])
 
   def _accumulate(self, g_sp, r, leaves: list[int], values: list):
     """g_sp with `values` (the gradients of the chunk's leaves `leaves`) added to chunk r's."""
