@@ -46,6 +46,8 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
 from jaxseek.config import MESH_AXES
 from jaxseek.explore import layout as ex
 from jaxseek.explore import memory as em
@@ -548,7 +550,7 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware, platfo
   fp8 = model.recipe_flops_per_token * tokens * rerun if fp8_runs(cfg, hw) else 0.0
   seconds = (per_device - fp8) / (hw.peak_tflops * 1e12) + (fp8 / (hw.fp8_tflops * 1e12) if fp8 else 0.0)
   S, M, m = sizes["pipeline"], cfg.train.microbatches, cfg.model
-  bubble = 0.0
+  bubble, base = 0.0, seconds
   one_f_one_b = cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
   for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers)):
     if ex.pipelined(cfg, stack, S):
@@ -564,6 +566,11 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware, platfo
       else:
         stretch = 1 / (1 - pipeline_lib.bubble(cfg.train.pipeline_schedule, S, M, R))
       bubble += seconds * share * (stretch * padded - 1)
+      if one_f_one_b and tables.pairs(cfg, platform) and stack == "moe_layers" and m.num_dense_layers and \
+          not ex.pipelined(cfg, "dense_layers", S):  # a paired backward on virtual stage 0 runs the dense
+        table = tables.for_config(cfg, S, R, platform)  # stack's forward again (pipeline/executor.py)
+        first_b = (table.virtual[np.arange(S)[None], np.maximum(table.b_chunk, 0)] == 0) & table.paired()
+        seconds += base * m.num_dense_layers / max(m.num_hidden_layers, 1) / 3 * first_b.sum() / M
   return {"flops_per_device": per_device, "fp8_flops_per_device": fp8, "time_s": seconds, "bubble_s": bubble,
           "time_at_bf16_s": seconds * per_device / (per_device - fp8 + fp8 * hw.peak_tflops / hw.fp8_tflops)
           if fp8 else seconds}
