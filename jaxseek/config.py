@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -291,6 +292,11 @@ class TrainConfig:
   # little, and its own estimate of a pipelined MoE step's peak runs about twice the compiled one: on such a
   # step try 200 and read the compiled memory first (python -m jaxseek.explore ... --compile --target)
   latency_hiding_memory: int = 95
+  # GPU: the op costs the latency-hiding scheduler plans with (XLA's PGLE: a ProfiledInstructionsProto text file,
+  # a measured profile, or the analytic one `python -m jaxseek.explore ... --compile --target T --pgle-profile
+  # FILE` writes from the compiled step's kernels and transfers); null: XLA's own guesses, which cover a long
+  # exchange with a few kernels
+  pgle_profile: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -667,6 +673,10 @@ def _check_optim(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
   t = cfg.train
+  if t.pgle_profile is not None and not os.path.isfile(t.pgle_profile):
+    raise UserError(f"config key train.pgle_profile: {t.pgle_profile} is not a file; write one with python -m "
+                    f"jaxseek.explore --config FILE ... --compile --target h100 --pgle-profile {t.pgle_profile}, or "
+                    f"set null")
   if t.latency_hiding_memory < 1:
     raise UserError(f"config key train.latency_hiding_memory: {t.latency_hiding_memory} must be ≥ 1 (% of XLA's "
                     f"memory limit; XLA's default is 95)")

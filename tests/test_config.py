@@ -117,6 +117,8 @@ BAD_INPUT = [
     (["train.pipeline_overlap=true"], "train.pipeline_overlap: true runs a tick's forward beside its backward",
      "use 1f1b or interleaved_1f1b, or set auto"),
     (["train.pipeline_overlap=sometimes"], "config key train.pipeline_overlap", "auto"),
+    (["train.pgle_profile=/no/such/costs.pbtxt"], "config key train.pgle_profile: /no/such/costs.pbtxt is not a file",
+     "--pgle-profile"),
     (["train.pipeline_schedule=pipedream"], "config key train.pipeline_schedule", "'dualpipev'"),
     (["mesh.pipeline=2", "mesh.data=4", "model.num_hidden_layers=4"], "mesh.pipeline: 2 stages split neither layer",
      "twice as many layers"),

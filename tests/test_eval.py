@@ -220,7 +220,7 @@ def test_aligned_compiles_again_for_another_batch_shape(capsys):
   assert capsys.readouterr().out.count("compiling the toy step") == 2
 
 
-def test_aligned_compiles_with_the_options_given():
+def test_aligned_compiles_with_the_options_given(tmp_path):
   """faults.Aligned hands its XLA options to the compiler (the train step's latency-hiding scheduler on GPU):
   an option XLA does not know is refused at the compile, and the GPU options of a run are the scheduler's, on
   or off as train.latency_hiding says, and none elsewhere."""
@@ -237,6 +237,11 @@ def test_aligned_compiles_with_the_options_given():
   off = load_config("tiny-dense", "train.latency_hiding=false")
   assert choice.compiler_options(off, "gpu") == {"xla_gpu_enable_latency_hiding_scheduler": False}
   assert choice.compiler_options(cfg, "cpu") == {}
+  profile = tmp_path / "costs.pbtxt"
+  profile.write_text('costs { name: "fusion.1" cost_us: 3.0 }\n')
+  planned = load_config("tiny-dense", f"train.pgle_profile={profile}")
+  assert choice.compiler_options(planned, "gpu")["xla_gpu_pgle_profile_file_or_directory_path"] == str(profile)
+  assert "op costs from" in choice.summary(planned, "gpu", 9.0)
 
 
 def _token_folder(folder, vocab, count=40, seed=0):

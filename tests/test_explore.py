@@ -854,3 +854,16 @@ ENTRY %main (x: f32[8]) -> f32[8] {{
   row = overlap.overlap(hlo)["all-gather"]
   assert row["ops"] == pytest.approx(17) and row["overlapped"] == pytest.approx(3)
   assert row["bytes"] == pytest.approx(17 * 32) and row["overlapped_bytes"] == pytest.approx(3 * 32)
+
+
+def test_analytic_profile_times_each_transfer_and_kernel():
+  """The PGLE profile written from a compiled module (train.pgle_profile): each async start costs its transfer
+  (bytes the done delivers over the link its groups use) and each fusion its time at the rates, by name, once; ops
+  that are neither (parameters, tuples, dones) have no entry."""
+  from jaxseek.explore import overlap
+
+  rates = overlap.Rates(flops=1e12, memory=1e6, intra_node=1e6, inter_node=1e3, per_node=8)
+  got = dict(re.findall(r'costs \{ name: "([\w.\-]+)" cost_us: ([\d.]+) \}', overlap.analytic_profile(HLO, rates)))
+  assert set(got) == {"ag-start", "ar-start", "a2a-start", "cp-start", "f", "g", "h"}
+  assert float(got["ag-start"]) == pytest.approx(32 / 1e6 * 1e6)  # 32 bytes within a node at 1 MB/s: 32 µs
+  assert float(got["f"]) == pytest.approx(2 * 32 / 1e6 * 1e6)  # writes and reads 32 bytes at 1 MB/s: 64 µs

@@ -10,6 +10,7 @@ GPUs (--devices-per-node to a host) without a GPU, through the CUDA build of JAX
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--top", type=int, default=10, help="--suggest: how many layouts to show")
   parser.add_argument("--json", help="write the result as JSON (schema in docs/explore.md)")
   parser.add_argument("--hlo", help="--compile --target: write the compiled step's optimised, scheduled HLO here")
+  parser.add_argument("--pgle-profile", help="--compile --target: write the compiled step's op costs at the "
+                      "target's rates here (train.pgle_profile) and compile again with them; reports the second")
   parser.add_argument("--plot", help="write a PNG of the memory per device and the parameter layouts")
   return parser.parse_args(argv)
 
@@ -110,6 +113,11 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
     from jaxseek.explore import overlap as explore_overlap
 
     compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node, hw)
+    if args.pgle_profile:  # the scheduler plans again with the first program's kernels and transfers timed
+      rates = explore_gpu.target_rates(args.target, args.devices_per_node, hw)
+      Path(args.pgle_profile).write_text(explore_overlap.analytic_profile(compiled["hlo"], rates))
+      cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pgle_profile=args.pgle_profile))
+      compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node, hw)
     hlo = compiled.pop("hlo")
     if args.hlo:
       Path(args.hlo).write_text(hlo)
@@ -142,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
       raise UserError(f"{flag} {rate:g} must be a positive number")
   if not 0 < args.usable_fraction <= 1:
     raise UserError(f"--usable-fraction {args.usable_fraction:g} must be in (0, 1], e.g. 0.9")
-  if args.hlo and not (args.compile and args.target):
-    raise UserError("--hlo writes the program --compile --target compiles: add them, e.g. --compile --target h100")
-  for flag, path in (("--json", args.json), ("--plot", args.plot), ("--hlo", args.hlo)):
+  for flag, path in (("--hlo", args.hlo), ("--pgle-profile", args.pgle_profile)):
+    if path and not (args.compile and args.target):
+      raise UserError(f"{flag} writes what --compile --target compiles: add them, e.g. --compile --target h100")
+  for flag, path in (("--json", args.json), ("--plot", args.plot), ("--hlo", args.hlo),
+                     ("--pgle-profile", args.pgle_profile)):
     if path:
       writable_file(path, flag)
   cfg = config_lib.load(args.config, args.overrides)

@@ -263,12 +263,17 @@ class _Timer:
     self.types = {c: {i["name"]: i["type"] for i in ins} for c, ins in module.items()}
     self.memo: dict[str, float] = {}
 
-  def hidden(self, computation: str, start: dict[str, Any], between: list, nbytes: int) -> float:
-    """The share of the transfer started by `start` that the kernels `between` cover."""
-    if collective_kind(self.module, start) == "ragged-all-to-all":  # what is sent, not the buffer it lands in
+  def transfer(self, start: dict[str, Any], nbytes: int) -> float:
+    """Seconds of the transfer an async start begins, whose done delivers `nbytes` (a ragged exchange: what is
+    sent, not the buffer it lands in)."""
+    if collective_kind(self.module, start) == "ragged-all-to-all":
       first = _ARRAY.search(start["type"])
       nbytes = min(nbytes, array_bytes(first.group(0))) if first else nbytes
-    transfer = nbytes / self.link(start)
+    return nbytes / self.link(start)
+
+  def hidden(self, computation: str, start: dict[str, Any], between: list, nbytes: int) -> float:
+    """The share of the transfer started by `start` that the kernels `between` cover."""
+    transfer = self.transfer(start, nbytes)
     window = sum(self.kernel(computation, i) for i in between)
     return min(1.0, window / transfer) if transfer > 0 else 1.0
 
@@ -363,6 +368,30 @@ def _operand_names(instruction: dict[str, Any]) -> set[str]:
 def _empty() -> dict[str, float]:
   return dict.fromkeys(("ops", "async", "overlapped", "bytes", "async_bytes", "overlapped_bytes", "hidden_bytes",
                         "always_bytes", "always_overlapped_bytes", "always_hidden_bytes"), 0.0)
+
+
+def analytic_profile(text: str, rates: Rates) -> str:
+  """Op costs of a compiled module for XLA's latency-hiding scheduler (PGLE's ProfiledInstructionsProto as text,
+  train.pgle_profile): each async collective's start costs its transfer on the link its groups use, each kernel
+  (fusion, custom call) its time at `rates` (the overlap estimate's timings), at least 1 µs. Instruction names
+  are the module's, which a compile of the same program and options gives again."""
+  module, _ = parse(text)
+  timer, memo, lines, seen = _Timer(module, rates), {}, [], set()
+  for computation, instructions in module.items():
+    for k, instruction in enumerate(instructions):
+      name = instruction["name"]
+      if name in seen:
+        continue
+      if collective_kind(module, instruction) is not None:
+        nbytes = _pair(module, instructions, k, memo)[0]
+        seconds = timer.transfer(instruction, nbytes)
+      elif instruction["opcode"] in ("fusion", "custom-call"):
+        seconds = max(timer.kernel(computation, instruction), 1e-6)
+      else:
+        continue
+      seen.add(name)
+      lines.append(f'costs {{ name: "{name}" cost_us: {seconds * 1e6:.3f} }}')
+  return "\n".join(lines) + "\n"
 
 
 def beside_estimate(overlaps: dict[str, dict[str, float]], communication: dict[str, list[dict[str, Any]]],

@@ -38,12 +38,14 @@ def compiler_options(cfg, where: str | None = None) -> dict[str, bool | int]:
   """XLA options the train step compiles with on platform `where` (default: the mesh's): on GPU the
   latency-hiding scheduler (train.latency_hiding), which XLA:GPU leaves off for a program of a training step's
   size, so that nothing would overlap the expert exchange or the weight gathers, and the memory it plans within
-  (train.latency_hiding_memory)."""
+  (train.latency_hiding_memory), with the op costs of train.pgle_profile where it is set."""
   if (where or platform()) != "gpu":
     return {}
   options = {"xla_gpu_enable_latency_hiding_scheduler": cfg.train.latency_hiding}
   if cfg.train.latency_hiding:
     options["xla_gpu_memory_limit_slop_factor"] = cfg.train.latency_hiding_memory
+    if cfg.train.pgle_profile:
+      options["xla_gpu_pgle_profile_file_or_directory_path"] = cfg.train.pgle_profile
   return options
 
 
@@ -228,7 +230,8 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
     parts.append(f"FP8 {recipe} ({fp8_gemm.LABELS[recipe]})")
   if where == "gpu":
     memory = f" within {t.latency_hiding_memory}% of XLA's memory limit" if t.latency_hiding_memory != 95 else ""
-    parts.append(f"XLA latency-hiding scheduler {'on' + memory if t.latency_hiding else 'off'}")
+    profile = f", op costs from {t.pgle_profile}" if t.pgle_profile and t.latency_hiding else ""
+    parts.append(f"XLA latency-hiding scheduler {'on' + memory + profile if t.latency_hiding else 'off'}")
   line = f"kernels on {where if where != 'gpu' else sm(cc)}: " + " | ".join(parts)
   if where == "gpu" and not installed and "auto" in (m.attention_impl, m.moe_matmul):
     line += " — tokamax is not installed, so auto takes XLA's paths: pip install -e '.[gpu]' for the GPU kernels"
