@@ -253,10 +253,10 @@ class TrainConfig:
   # activations kept per microbatch in flight)
   pipeline_recompute: bool = True
   # 1f1b / interleaved_1f1b: a tick whose forward and backward do not wait for each other runs both side by side in
-  # one program (their chunks' layers unrolled), so each one's expert exchange and pipeline sends can run beside the
-  # other's compute (DualPipe's pairing; pipeline/executor.py). auto: on for GPU and TPU, off on CPU (the same
-  # numbers, a larger program)
-  pipeline_overlap: Literal["auto"] | bool = "auto"
+  # one program (their chunks' layers unrolled), so each one's expert exchange can run beside the other's compute
+  # (DualPipe's pairing; pipeline/executor.py). The same numbers; a larger program that needs more memory
+  # (docs/pipeline.md: compile it with the explorer first)
+  pipeline_overlap: bool = False
   seed: int = 0
   run_dir: str = "runs/default"
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # float16: with dynamic loss scaling
@@ -703,12 +703,10 @@ def _check_train(cfg: Config) -> None:
     raise UserError(f"config key train.pipeline_recompute: false keeps the forward's residuals for the split "
                     f"backward of zb_h1, zbv and dualpipev; train.pipeline_schedule={t.pipeline_schedule} recomputes, "
                     f"set true")
-  if t.pipeline_overlap not in ("auto", True, False):
-    raise UserError(f"config key train.pipeline_overlap: {t.pipeline_overlap!r} is not auto, true or false")
-  if t.pipeline_overlap is True and t.pipeline_schedule not in PAIRED_SCHEDULES:
+  if t.pipeline_overlap and t.pipeline_schedule not in PAIRED_SCHEDULES:
     raise UserError(f"config key train.pipeline_overlap: true runs a tick's forward beside its backward, and "
                     f"train.pipeline_schedule={t.pipeline_schedule} has no such ticks; use "
-                    f"{' or '.join(PAIRED_SCHEDULES)}, or set auto")
+                    f"{' or '.join(PAIRED_SCHEDULES)}, or set false")
   if t.pipeline_schedule in ("1f1b", "zb_h1") and t.pipeline_repeats != 1:
     raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs one chunk per stage, got "
                     f"train.pipeline_repeats={t.pipeline_repeats}; use interleaved_1f1b for several")

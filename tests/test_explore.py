@@ -414,10 +414,7 @@ def test_deepseek_v3_published_layout_and_batch():
     plans[name] = explore.plan(explore.describe(cfg), sizes, explore.hardware("h800-80g"))
   assert plans["1f1b"]["devices"] == 2048
   assert "is not divisible by pipeline x data x fsdp x expert = 2048" in plans["1f1b"]["pipeline"]
-  # planned for a GPU, where a tick's forward and backward pair (train.pipeline_overlap): each backward a tick
-  # after the loss keeps one stage input and one cotangent more than 1F1B's 29 + 1
-  assert "30 microbatch stage inputs + 2 cotangents kept per stage" in plans["1f1b"]["pipeline"]
-  assert "ticks run a forward beside a backward in one program" in plans["1f1b"]["pipeline"]
+  assert "29 microbatch stage inputs + 1 cotangents kept per stage" in plans["1f1b"]["pipeline"]
   assert "all microbatches' activations kept" in plans["gpipe"]["pipeline"]
   activations = {k: plan["memory_per_device"]["activations"] for k, plan in plans.items()}
   assert activations["gpipe"] > 100 * 2**30 and not plans["gpipe"]["memory"]["fits"]

@@ -104,12 +104,9 @@ class Table:
             **({"residuals": self.residual_slots} if self.residual_slots else {})}
 
 
-def pairs(cfg, where: str) -> bool:
-  """train.pipeline_overlap resolved on platform `where`: auto pairs on GPU and TPU (on CPU it only costs compile
-  time)."""
-  setting = cfg.train.pipeline_overlap
-  return setting is True or (setting == "auto" and where in ("gpu", "tpu")
-                             and cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b"))
+def pairs(cfg, where: str = "cpu") -> bool:
+  """Whether the executor pairs a tick's forward and backward (train.pipeline_overlap, on any platform `where`)."""
+  return bool(cfg.train.pipeline_overlap) and cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b")
 
 
 def for_config(cfg, S: int, R: int, where: str = "cpu") -> Table:
