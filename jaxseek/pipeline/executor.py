@@ -42,9 +42,9 @@ def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, bat
 
   `parts`: first_fn(rest_params, batch_b) → x_bTD is the model before the pipelined stack for one microbatch
   (embedding and the layers before it), run with virtual stage 0 on its stage; stage_fn(x_bTD, chunk_params,
-  chunk_consts, side_b[, unroll=True in paired ticks]) → (y_bTD, aux) runs one chunk of C layers (`stage_params` and `stage_consts` leaves are
-  [L, ...] in storage order, sharded on `pipeline`: stage s stores its chunks r = 0 … R − 1 in order; aux leaves
-  lead with C); post_fn(rest_params, y_bTD, batch_b) → (value, stats) is the rest of the objective for one microbatch
+  chunk_consts, side_b[, unroll=True in paired ticks]) → (y_bTD, aux) runs one chunk of C layers (`stage_params`
+  and `stage_consts` leaves are [L, ...] in storage order, sharded on `pipeline`: stage s stores its chunks
+  r = 0 … R − 1 in order; aux leaves lead with C); post_fn(rest_params, y_bTD, batch_b) → (value, stats) is the rest of the objective for one microbatch
   (already multiplied by the loss scale), run after the last virtual stage on its stage. `unsplit` marks the
   rest's leaves no automatic mesh axis splits (all when None): only those share the flat accumulator of
   `RestGrads` (a split one would be resharded to be laid into it). `batch_M` and `side_M`
