@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxseek import config as config_lib
-from jaxseek.kernels import gpu
 from jaxseek.model import loss as loss_lib
 from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import STACKS
@@ -108,8 +107,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   S, M = pipeline_lib.stages(), cfg.train.microbatches
   name = pipeline_lib.pipelined_stack(cfg.model, S, cfg.train.pipeline_repeats)
   n_layers = pipeline_lib.stack_sizes(cfg.model)[name]
-  table = tables.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats),
-                            where := gpu.platform())
+  table = tables.for_config(cfg, S, pipeline_lib.stack_repeats(n_layers, S, cfg.train.pipeline_repeats))
   model = nnx.merge(trainer.graphdef, params, state.biases)
   stack = getattr(model, name)
   setattr(model, name, None)  # the rest of the model: what runs outside the stack
@@ -136,7 +134,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
 
   body = remat_lib.wrap(lambda x, layer_p, layer_c, side: nnx.merge(blocks_graphdef, layer_p, layer_c)(x, *side),
                         cfg.train.remat)
-  pair = tables.pairs(cfg, where)
+  pair = tables.pairs(cfg)
 
   def stage(x_bTD, chunk_p, chunk_c, side, unroll=False):  # unrolled in paired ticks, so two chunks interleave
     return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)

@@ -104,7 +104,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
        f"{jax.device_count()} {jax.devices()[0].platform} devices | peak {peak:.3g} TFLOP/s/device ({peak_source})")
   _log(choice.summary(cfg, *choice.device_target(mesh.devices.flat[0]), tensor=mesh.shape["tensor"]))
   if mesh.shape["pipeline"] > 1:
-    _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"], dict(mesh.shape), choice.platform()))
+    _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"], dict(mesh.shape)))
   if cfg.model.is_moe:
     with jax.set_mesh(mesh):
       _log(experts.dispatch_summary(cfg, dict(mesh.shape), node=experts.node_shards(mesh, cfg.mesh.devices_per_node)))

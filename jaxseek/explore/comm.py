@@ -537,7 +537,7 @@ def _expert_items(x: dict[str, Any]) -> list[tuple]:
   return items
 
 
-def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> dict[str, float]:
+def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dict[str, float]:
   """FLOPs per device per step, the time at peak, and the pipeline bubble's share (the pipelined stacks'
   compute stretched by ticks / (R·M)); under 1F1B the pipelined stacks' forward runs twice (recomputed in the
   backward) unless train.remat=full already counts it."""
@@ -560,15 +560,15 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware, platfo
       if one_f_one_b:
         from jaxseek.pipeline import tables
 
-        stretch = 1 / (1 - tables.for_config(cfg, S, R, platform).bubble())
+        stretch = 1 / (1 - tables.for_config(cfg, S, R).bubble())
         if cfg.train.remat != "full":  # 1F1B recomputes each chunk's forward in its backward
           seconds += seconds * share * padded / 3
       else:
         stretch = 1 / (1 - pipeline_lib.bubble(cfg.train.pipeline_schedule, S, M, R))
       bubble += seconds * share * (stretch * padded - 1)
-      if one_f_one_b and tables.pairs(cfg, platform) and stack == "moe_layers" and m.num_dense_layers and \
+      if one_f_one_b and tables.pairs(cfg) and stack == "moe_layers" and m.num_dense_layers and \
           not ex.pipelined(cfg, "dense_layers", S):  # a paired backward on virtual stage 0 runs the dense
-        table = tables.for_config(cfg, S, R, platform)  # stack's forward again (pipeline/executor.py)
+        table = tables.for_config(cfg, S, R)  # stack's forward again (pipeline/executor.py)
         first_b = (table.virtual[np.arange(S)[None], np.maximum(table.b_chunk, 0)] == 0) & table.paired()
         seconds += base * m.num_dense_layers / max(m.num_hidden_layers, 1) / 3 * first_b.sum() / M
   return {"flops_per_device": per_device, "fp8_flops_per_device": fp8, "time_s": seconds, "bubble_s": bubble,

@@ -131,7 +131,7 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
     pipeline_lib.check_stacks(cfg, sizes["pipeline"])
   memory = memory_lib.memory(model, sizes, platform)
   comm = comm_lib.communication(model, sizes, hw, memory["stage"], platform)
-  compute = comm_lib.compute_seconds(model, sizes, hw, platform)
+  compute = comm_lib.compute_seconds(model, sizes, hw)
   usable = int(hw.memory_bytes * hw.usable_fraction)
   t = cfg.train
   return {
@@ -143,7 +143,7 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       "mtp_parameters": model.mtp_parameters,
       "mesh": dict(sizes),
       "devices": math.prod(sizes.values()),
-      "pipeline": pipeline_lib.summary(cfg, sizes["pipeline"], sizes, platform) if sizes["pipeline"] > 1 else "none",
+      "pipeline": pipeline_lib.summary(cfg, sizes["pipeline"], sizes) if sizes["pipeline"] > 1 else "none",
       "pipeline_schedules": pipeline_lib.compare(cfg, sizes["pipeline"], layer_forward_flops(model, sizes))
       if sizes["pipeline"] > 1 else [],
       "train": {"batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,

@@ -312,7 +312,7 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
       if one_f_one_b:  # the stage inputs and cotangents the table keeps, one chunk's backward (its forward recomputed)
         from jaxseek.pipeline import tables
 
-        table = tables.for_config(cfg, S, R, platform)
+        table = tables.for_config(cfg, S, R)
         kept = (table.slots + table.grad_slots) * stage_input(cfg, B // M, platform).bytes(inner)
         runs.append((chunk, moe, B // M, inner))
         if table.stash_slots:  # zero-bubble: what W reads (the layers' matmul inputs and output cotangents), kept

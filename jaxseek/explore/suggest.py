@@ -93,7 +93,7 @@ def evaluate(model: Model, sizes: dict[str, int], hw: Hardware, budget: int | No
 def measure(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> Candidate:
   memory = memory_lib.memory(model, sizes, platform)
   comm = comm_lib.communication(model, sizes, hw, memory["stage"], platform)
-  compute = comm_lib.compute_seconds(model, sizes, hw, platform)
+  compute = comm_lib.compute_seconds(model, sizes, hw)
   parts = {"compute": compute["time_s"], "pipeline bubble": compute["bubble_s"]}
   for axis, items in comm.items():
     parts[f"{axis} collectives ({items[0]['link']})"] = sum(c["time_s"] for c in items)

@@ -281,7 +281,7 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   return rows
 
 
-def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None, where: str = "cpu") -> str:
+def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> str:
   """One line: the schedule, its bubble, what it keeps alive, which layer stacks are pipelined, and (with the
   mesh `sizes`) whether the parts outside the schedule split the batch over the stages."""
   m, M, R = cfg.model, cfg.train.microbatches, cfg.train.pipeline_repeats
@@ -297,7 +297,7 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None, where
   r = max(rounds)
   formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
   if cfg.train.pipeline_schedule in ONE_F_ONE_B:
-    table = tables.for_config(cfg, stages, r, where)
+    table = tables.for_config(cfg, stages, r)
     name, v = cfg.train.pipeline_schedule, shape(cfg) == "v"
     schedule = {"dualpipev": "DualPipeV, DeepSeek's order on a V, backward split into b and W",
                 "zbv": "ZB-V, 2 chunks on a V, backward split into b and W",
@@ -317,7 +317,7 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None, where
       formula = (f"of the table run (F=1, b=2 as it recomputes the forward, W=1; at F=b=W=1 "
                  f"{closed + ' = ' if closed else ''}{100 * unit:.1f}%)")
     idle = bubble(name, stages, M, r) if not table.split and (M % stages == 0 or r <= 1) else table.bubble()
-    if tables.pairs(cfg, where) and table.paired().any():
+    if tables.pairs(cfg) and table.paired().any():
       keeps += (f"; {100 * table.paired().mean():.0f}% of a stage's ticks run a "
                 f"forward beside a backward in one program (train.pipeline_overlap: each exchange beside the other's "
                 f"compute; the backward a tick after the loss)")

@@ -104,17 +104,17 @@ class Table:
             **({"residuals": self.residual_slots} if self.residual_slots else {})}
 
 
-def pairs(cfg, where: str = "cpu") -> bool:
-  """Whether the executor pairs a tick's forward and backward (train.pipeline_overlap, on any platform `where`)."""
+def pairs(cfg) -> bool:
+  """Whether the executor pairs a tick's forward and backward (train.pipeline_overlap)."""
   return bool(cfg.train.pipeline_overlap) and cfg.train.pipeline_schedule in ("1f1b", "interleaved_1f1b")
 
 
-def for_config(cfg, S: int, R: int, where: str = "cpu") -> Table:
-  """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds, as it runs on
-  platform `where` (train.pipeline_overlap)."""
+def for_config(cfg, S: int, R: int) -> Table:
+  """The table `train.pipeline_schedule` names, for S stages and a stack that makes R rounds (with
+  train.pipeline_overlap, each backward a tick after the loss)."""
   t = cfg.train
   return table(t.pipeline_schedule, S, t.microbatches, R, t.pipeline_stashes, t.pipeline_recompute,
-               paired=pairs(cfg, where))
+               paired=pairs(cfg))
 
 
 def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool = True,
