@@ -35,9 +35,10 @@ TAIL = 20
 
 
 def curve(steps: int, seed: int, method: str, extra: list[str], run_dir: Path, key: str = "train.grad_compression",
-          base: list[str] = BASE) -> np.ndarray:
-  """The per-step losses of one run with `key`=`method` (and `extra` overrides) after `base`."""
-  cmd = [sys.executable, "-m", "jaxseek.train", *base, f"train.steps={steps}", f"optim.warmup_steps={steps // 20}",
+          base: list[str] = BASE, warmup: float = 0.05) -> np.ndarray:
+  """The per-step losses of one run with `key`=`method` (and `extra` overrides) after `base`, warming up over
+  the `warmup` fraction of the steps."""
+  cmd = [sys.executable, "-m", "jaxseek.train", *base, f"train.steps={steps}", f"optim.warmup_steps={int(steps * warmup)}",
          f"train.seed={seed}", f"{key}={method}", f"train.run_dir={run_dir}", *extra]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
   if done.returncode:
