@@ -46,6 +46,13 @@ from jaxseek.sharding import compression, rules
 
 ITEMS = ("state", "data", "config")
 STATE_PARTS = ("params", "biases", "opt_state", "train")
+# Settings whose value decides which arrays the optimiser or train state holds: a resume that changes one is
+# refused naming it (gradient clipping's state, the loss window's length).
+STATE_SHAPING_KEYS = ("optim.clip_norm", "train.spike_window")
+# The advice after a read that failed on the files themselves (a setting that does not match is named before
+# anything is read): nothing on disk is changed, and nothing is to be deleted.
+UNREADABLE = ("its files are incomplete or corrupt (nothing on disk was changed); restore them from a copy, or move "
+              "that step folder out of checkpoints/ to resume from the step before")
 # Orbax splits each replicated array's write across its replicas; every distinct slice shape costs a compile,
 # which on a first save of many small arrays blocks training for seconds. Only arrays whose per-replica slice
 # is at least this large are split; smaller ones are written by one replica.
@@ -130,7 +137,7 @@ class Checkpointer:
       restored = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 — any unreadable metadata is a user-facing integrity error
       raise UserError(f"checkpoint {self.directory / str(step)} has no readable config ({type(e).__name__}); "
-                      f"it is incomplete or corrupt: delete that step folder to resume from an earlier one") from None
+                      + UNREADABLE) from None
     return restored["config"]
 
   def check_compatible(self, step: int) -> dict:
@@ -139,8 +146,7 @@ class Checkpointer:
     not parameters, and a longer context with YaRN scaling is how a model is extended (docs/context.md)."""
     saved = self.saved_config(step)
     current = config_lib.to_dict(self.cfg)
-    free = {"moe_capacity_factor", "moe_max_expert_shards", "context_attention", "moe_overlap_chunks",
-            "overlap_streams"}
+    free = set(config_lib.EXECUTION_KEYS)  # kernels and exchanges: the same arrays on every platform
     if self.read_only:
       free |= {"rope_scaling", "max_position_embeddings"}
     for section in ("model",):
@@ -176,6 +182,10 @@ class Checkpointer:
       plan = carry_plan(saved, dict(saved_arrays.get("train") or {}), train_target, self.cfg.train.grad_compression)
       targets["train"] = plan.target(train_target)
       resized += plan.loosened
+    for name in ("opt_state", "train"):  # a state another optimiser or train setting shapes: named, not read
+      if name in names and (what := _structure_difference(targets[name], saved_arrays.get(name), resized,
+                                                          partial=name == "train" and plan.partial)):
+        raise UserError(self._state_differs(step, saved, name, what))
     items = {"state": restore_args({n: targets[n] for n in names}, partial=params_only or plan.partial,
                                    resized=resized)}
     resplit = None
@@ -185,7 +195,7 @@ class Checkpointer:
         import grain
         items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     with reading(f"checkpoint {self.directory / str(step)} cannot be restored",
-                 "it is incomplete or corrupt: delete that step folder to resume from an earlier one"):
+                 UNREADABLE):
       arrays = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
     if resplit is not None:  # another process count wrote it: every old process's state re-splits the data
       data_iterator.set_state(resplit)
@@ -206,10 +216,32 @@ class Checkpointer:
       print(line, flush=True)
     return dataclasses.replace(abstract_state, **values)
 
+  def _state_differs(self, step: int, saved: dict, name: str, what: str) -> str:
+    """The refusal of a checkpoint whose optimiser or train state this run's settings shape otherwise: the
+    settings that differ from the saved config (those known to shape the state first), else the array."""
+    where = self.directory / str(step)
+    current = config_lib.to_dict(self.cfg)
+    differ = [(f"{section}.{key}", saved.get(section, {}).get(key), value)
+              for section in ("optim", "train") for key, value in current[section].items()
+              if key in saved.get(section, {}) and saved[section][key] != value
+              and not (isinstance(value, tuple) and list(value) == saved[section][key])]
+    differ.sort(key=lambda d: d[0] not in STATE_SHAPING_KEYS)
+    part = {"opt_state": "optimiser state", "train": "train state"}[name]
+    if differ and differ[0][0] in STATE_SHAPING_KEYS:
+      key, old, new = differ[0]
+      return (f"checkpoint {where} holds the {part} of {key}={old!r} ({what}) and this run has {key}={new!r}, "
+              f"which keeps another; resume with {key}={old!r}, or start a new train.run_dir from its weights with "
+              f"checkpoint.load_from={self.directory.parent}")
+    keys = ", ".join(f"{k}={o!r} (now {n!r})" for k, o, n in differ[:3])
+    return (f"checkpoint {where} holds a {part} this run does not have ({what})" +
+            (f"; its config differs in {keys}" if keys else "") +
+            f"; resume with the config it was written with ({self.directory.parent / 'config.yaml'}), or start a "
+            f"new train.run_dir from its weights with checkpoint.load_from={self.directory.parent}")
+
   def saved_arrays(self, step: int) -> dict:
     """The array metadata (shape, dtype) of every part of the train state saved at `step`."""
     with reading(f"checkpoint {self.directory / str(step)} has unreadable array metadata",
-                 "it is incomplete or corrupt: delete that step folder to resume from an earlier one"):
+                 UNREADABLE):
       handler = ocp.PyTreeCheckpointHandler()
       try:
         tree = handler.metadata(self.directory / str(step) / "state").tree
@@ -402,6 +434,31 @@ def _shape_mismatch(target: Any, saved: Any, loose: tuple[str, ...]) -> str | No
     old = shapes.get(jax.tree_util.keystr(path))
     if old is not None and old != tuple(leaf.shape) and not {getattr(k, "key", None) for k in path} & set(loose):
       return f"{'/'.join(str(getattr(k, 'key', k)) for k in path)} as {old} where this model has {tuple(leaf.shape)}"
+  return None
+
+
+def _leaf_shapes(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """{path as names: shape} of every array leaf: an Orbax metadata tree and a restore target (named tuples there,
+  dicts here) give the same paths."""
+  name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+  return {tuple(map(name, p)): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(tree or {})
+          if hasattr(leaf, "shape")}
+
+
+def _structure_difference(target: Any, saved: Any, loose: tuple[str, ...], *, partial: bool) -> str | None:
+  """Where the saved arrays of one part of the state differ from `target` in their paths or shapes (leaves under
+  the stacks in `loose` may differ in shape: pipeline padding; `partial`: saved paths the target leaves out are
+  fine), else None."""
+  want, have = _leaf_shapes(target), _leaf_shapes(saved)
+  show = lambda path: "/".join(path)
+  for path, shape in want.items():
+    if path not in have:
+      return f"nothing at {show(path)}, which this run keeps"
+    if have[path] != shape and not set(path) & set(loose):
+      return f"{show(path)} as {have[path]} where this run has {shape}"
+  extra = [p for p in have if p not in want]
+  if extra and not partial:
+    return f"{show(extra[0])}, which this run does not keep"
   return None
 
 

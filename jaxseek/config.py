@@ -22,6 +22,16 @@ import yaml
 from jaxseek.errors import UserError
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
+# Model keys that choose how the model runs (kernels, exchanges, their buffers, overlap, the tokens an over-full
+# expert drops), never which arrays it has: a checkpoint resumes, evaluates and generates under any of their
+# values, on any platform (checkpoint.py; `portable`).
+EXECUTION_KEYS = ("attention_impl", "context_attention", "moe_matmul", "moe_dispatch", "moe_dispatch_dtype",
+                  "moe_recv_factor", "moe_overlap_chunks", "overlap_streams", "moe_capacity_factor",
+                  "moe_max_expert_shards")
+# Their values that run on one kind of device only (GPU kernels, ragged-all-to-all exchanges): `portable` turns
+# them back to auto, which picks the kernel or exchange of the platform at hand.
+PLATFORM_CHOICES = {"attention_impl": ("mosaic", "triton", "cudnn"), "moe_matmul": ("tokamax", "tokamax_triton"),
+                    "moe_dispatch": ("ragged", "two_stage")}
 PAIRED_SCHEDULES = ("1f1b", "interleaved_1f1b")  # train.pipeline_overlap: ticks with a forward and a backward
 
 
@@ -423,6 +433,14 @@ def from_dict(raw: dict[str, Any]) -> Config:
       raise UserError(f"config section {name!r} must be a mapping of keys, got {value!r}")
     sections[name] = _build(_SECTIONS[name], value, name)
   return Config(**sections)
+
+
+def portable(model: ModelConfig) -> ModelConfig:
+  """A saved model config as it runs here: the kernel and exchange choices that name one platform's
+  (PLATFORM_CHOICES, e.g. a GPU run's moe_dispatch=ragged) back to auto, which picks this platform's. The
+  numbers are the same: only the kernel or the exchange differs."""
+  return dataclasses.replace(model, **{k: "auto" for k, values in PLATFORM_CHOICES.items()
+                                       if getattr(model, k) in values})
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

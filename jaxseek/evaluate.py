@@ -99,10 +99,10 @@ def base_config(path: Path) -> config_lib.Config:
     train = config_lib.TrainConfig()
     return config_lib.Config(model=model, train=dataclasses.replace(
         train, seq_len=min(train.seq_len, model.max_position_embeddings)))
-  if (path / "config.yaml").is_file():
-    return config_lib.load(path / "config.yaml")
-  if step_folder(path):
-    return config_lib.load(path.parent.parent / "config.yaml")
+  folder = path if (path / "config.yaml").is_file() else path.parent.parent if step_folder(path) else None
+  if folder is not None:  # its kernels and exchanges as they run here (another platform's go back to auto)
+    cfg = config_lib.load(folder / "config.yaml")
+    return dataclasses.replace(cfg, model=config_lib.portable(cfg.model))
   raise UserError(f"--checkpoint {path} has no config.json (Hugging Face folder) or config.yaml (jaxseek "
                   f"checkpoint) and is no checkpoint step (RUN/checkpoints/<step>); pass the folder that holds one")
 
@@ -115,8 +115,9 @@ def eval_run_config(base: config_lib.Config, data: str, tokens: int | None, over
   holdout = 0.0
   for item in overrides:
     section, field, value = config_lib.parse_override(item, "mesh.tensor=2")
-    if section == "model":
-      raise UserError(f"override {item!r}: the model comes from the checkpoint; override other sections only")
+    if section == "model" and field not in config_lib.EXECUTION_KEYS:
+      raise UserError(f"override {item!r}: the model comes from the checkpoint; override other sections, or the "
+                      f"model's kernels and exchanges ({', '.join(config_lib.EXECUTION_KEYS)})")
     if section not in raw:
       raise UserError(f"unknown config section {section!r}; valid sections: {', '.join(raw)}")
     if (section, field) == ("eval", "source"):
@@ -151,7 +152,8 @@ def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
   batches = input_lib.batches.eval_batches(cfg, mesh)  # data errors (vocabulary, folder) before the weights load
   with jax.set_mesh(mesh):
     model = load_pretrained(path, param_dtype=cfg.train.param_dtype, dtype=cfg.train.compute_dtype,
-                            fp8=fp8_gemm.resolve(cfg.train.fp8, *kernels.device_target(mesh.devices.flat[0])))
+                            fp8=fp8_gemm.resolve(cfg.train.fp8, *kernels.device_target(mesh.devices.flat[0])),
+                            execution={k: getattr(cfg.model, k) for k in config_lib.EXECUTION_KEYS})
     graphdef, weights = nnx.split(model)
 
     def forward(weights, batch):

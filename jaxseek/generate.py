@@ -218,7 +218,7 @@ def checkpoint_model_config(path: str | Path) -> config_lib.ModelConfig:
   if (path / "config.json").is_file():
     return hf_model_config(hf.Folder(path))
   if (path / "config.yaml").is_file():
-    return config_lib.load(path / "config.yaml").model
+    return config_lib.portable(config_lib.load(path / "config.yaml").model)
   raise UserError(f"{path} has no config.json (Hugging Face model folder) or config.yaml (jaxseek checkpoint "
                   "folder); pass the folder that holds one")
 

@@ -174,6 +174,20 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path, run_env):
   with pytest.raises(UserError, match=r"model.vocab_size=264 but this run has model.vocab_size=272"):
     train_lib.run(other)
   assert (tmp_path / "config.yaml").read_text() == written
+  # settings that shape the optimiser and train state: named before Orbax reads, the checkpoint never called corrupt
+  for override, message in (("optim.clip_norm=0", r"optimiser state of optim.clip_norm=1.0 .* this run has "
+                                                  r"optim.clip_norm=0.0.*; resume with optim.clip_norm=1.0"),
+                            ("train.spike_window=8", r"train state of train.spike_window=32 \(loss_window as \(32,\) "
+                                                     r"where this run has \(8,\)\) and this run has train.spike_window=8")):
+    changed = load_config("tiny-v3", "mesh.data=8", "train.steps=4", f"train.run_dir={tmp_path}", override)
+    with pytest.raises(UserError, match=message) as refused:
+      train_lib.run(changed)
+    assert "incomplete or corrupt" not in str(refused.value) and "delete" not in str(refused.value)
+    assert (tmp_path / "config.yaml").read_text() == written
+  # kernels and exchanges are free: a clip norm that keeps clipping, another dispatch and attention kernel resume
+  checkpoint_lib.Checkpointer(load_config("tiny-v3", "mesh.data=8", "optim.clip_norm=0.5", "model.moe_dispatch=fixed",
+                                          "model.attention_impl=dense", "model.moe_recv_factor=3",
+                                          "model.moe_matmul=ragged_dot"), tmp_path, read_only=True).check_compatible(2)
   saved = tmp_path / "checkpoints" / "2" / "config" / "metadata"  # a saved config that does not describe the arrays
   kept = saved.read_text()
   saved.write_text(json.dumps({**json.loads(kept), "model": {**json.loads(kept)["model"], "vocab_size": 272}}))
@@ -181,12 +195,12 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path, run_env):
   with pytest.raises(UserError, match=r"holds params embed/table_VD as \(264, 40\) where this model has \(272, 40\)"):
     checkpoint_lib.Checkpointer(other, tmp_path).restore(2, trainer.abstract_state, trainer.state_shardings, None)
   saved.write_text(kept)
-  older = json.loads(kept)  # written before model.moe_recv_factor existed: the run had its default, 2.0
-  del older["model"]["moe_recv_factor"]
+  older = json.loads(kept)  # written before model.num_nextn_predict_layers existed: the run had its default, 0
+  del older["model"]["num_nextn_predict_layers"]
   saved.write_text(json.dumps(older))
   checkpoint_lib.Checkpointer(cfg, tmp_path, read_only=True).check_compatible(2)
-  with pytest.raises(UserError, match=r"written for model.moe_recv_factor=2.0 but this run has model.moe_recv_"):
-    checkpoint_lib.Checkpointer(load_config("tiny-v3", "mesh.data=8", "model.moe_recv_factor=3"), tmp_path,
+  with pytest.raises(UserError, match=r"written for model.num_nextn_predict_layers=0 but this run has model.num_nex"):
+    checkpoint_lib.Checkpointer(load_config("tiny-v3", "mesh.data=8", "model.num_nextn_predict_layers=1"), tmp_path,
                                 read_only=True).check_compatible(2)
   saved.write_text(kept)
   (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save that never finished
@@ -198,7 +212,7 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path, run_env):
                         "mesh.num_cpu_devices=8", "mesh.data=8", "train.steps=4", f"train.run_dir={tmp_path}"],
                        env=run_env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr[-3000:]
-  assert re.search("cannot be restored|corrupt", out.stderr), out.stderr
+  assert re.search("cannot be restored|corrupt", out.stderr) and "delete" not in out.stderr, out.stderr
   assert (tmp_path / "config.yaml").read_text() == written
 
 

@@ -105,6 +105,41 @@ def test_eval_does_not_change_training(eval_run, data, tmp_path):
   assert plain == [r["loss"] for r in read_jsonl(eval_run / "metrics.jsonl")]
 
 
+GPU_CHOICES = {"moe_dispatch": "ragged", "attention_impl": "mosaic", "moe_matmul": "tokamax"}
+
+
+def test_a_checkpoint_written_with_gpu_kernels_runs_on_cpu(eval_run, data, tmp_path):
+  """Kernel and exchange choices are not the model: a run written on GPUs (its config and its checkpoint's saved
+  config naming the ragged exchange and tokamax's kernels, none of which run on XLA:CPU) evaluates here to the
+  loss the run recorded, takes those keys as evaluate overrides, generates, and resumes."""
+  import shutil
+
+  import yaml
+
+  from jaxseek.convert.pretrained import load_pretrained
+
+  run_dir = tmp_path / "gpu-run"
+  shutil.copytree(eval_run, run_dir)
+  written = yaml.safe_load((run_dir / "config.yaml").read_text())
+  written["model"].update(GPU_CHOICES)
+  (run_dir / "config.yaml").write_text(yaml.safe_dump(written, sort_keys=False))
+  for saved in (run_dir / "checkpoints").glob("*/config/metadata"):
+    kept = json.loads(saved.read_text())
+    saved.write_text(json.dumps({**kept, "model": {**kept["model"], **GPU_CHOICES}}))
+  want = {r["step"]: r["eval_loss"] for r in read_jsonl(eval_run / "metrics.jsonl") if "eval_loss" in r}[STEPS]
+  for overrides in ([], ["model.moe_dispatch=fixed", "model.attention_impl=dense"]):
+    out = tmp_path / "eval.json"
+    assert evaluate_main(["--checkpoint", str(run_dir), "--data", str(data["eval"]), "--tokens", "800",
+                          "--json", str(out), *overrides]) == 0
+    np.testing.assert_allclose(json.loads(out.read_text())["eval_loss"], want, rtol=1e-5)
+  tokens = jnp.arange(12, dtype=jnp.int32).reshape(1, 12)
+  np.testing.assert_allclose(load_pretrained(run_dir)(tokens), load_pretrained(eval_run)(tokens), rtol=1e-5,
+                             atol=1e-6)
+  summary = run(load_config("tiny-v3", *RUN, f"data.source={data['train']}", f"eval.source={data['eval']}",
+                            "eval.tokens=800", f"train.steps={STEPS + 1}", f"train.run_dir={run_dir}"))
+  assert summary["steps"] == 1 and np.isfinite(summary["last_loss"])
+
+
 def test_nonfinite_eval_does_not_stop_training(data, tmp_path, monkeypatch):
   real = step_lib.eval_sums
   monkeypatch.setattr(step_lib, "eval_sums", lambda *a: {**real(*a), "ce_sum": jnp.float32(jnp.nan)})

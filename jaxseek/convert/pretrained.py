@@ -33,22 +33,24 @@ ITEMS = {"params": nnx.Param, "biases": RouterBias}
 
 
 def load_pretrained(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32",
-                    fp8: str | None = None) -> Transformer:
+                    fp8: str | None = None, execution: dict | None = None) -> Transformer:
   """The model of a Hugging Face folder (config.json + safetensors), a jaxseek checkpoint folder (a run directory
 or a converted checkpoint: its latest step) or one step of it (<dir>/checkpoints/<step>), weights loaded.
 
   `fp8`: the train.fp8 recipe the model runs its projections under (kernels/fp8_gemm.resolve gives it).
+  `execution`: values of config.EXECUTION_KEYS (kernels, exchanges) to run with; a checkpoint's own choices that
+  name one platform's kernels otherwise go back to auto (config.portable).
   `model(tokens_BT)` returns float32 logits [B, T, V]. Under `jax.set_mesh(mesh)` every weight is placed
   directly on its shards (the sharding rules of jaxseek.sharding.rules); otherwise on the default device.
   """
   path = Path(path)
   if (path / "config.json").is_file():
-    return from_hf(hf.Folder(path), param_dtype=param_dtype, dtype=dtype, fp8=fp8)
+    return from_hf(hf.Folder(path), param_dtype=param_dtype, dtype=dtype, fp8=fp8, execution=execution)
   if (path / "config.yaml").is_file():
-    return from_checkpoint(path, param_dtype=param_dtype, dtype=dtype, fp8=fp8)[0]
+    return from_checkpoint(path, param_dtype=param_dtype, dtype=dtype, fp8=fp8, execution=execution)[0]
   if step_folder(path):
     return from_checkpoint(path.parent.parent, param_dtype=param_dtype, dtype=dtype, step=int(path.name),
-                           fp8=fp8)[0]
+                           fp8=fp8, execution=execution)[0]
   raise UserError(f"{path} has no config.json (Hugging Face model folder) or config.yaml (jaxseek checkpoint "
                   "folder) and is no checkpoint step (<dir>/checkpoints/<step>); pass the folder that holds one")
 
@@ -68,9 +70,9 @@ def hf_model_config(folder: hf.Folder) -> ModelConfig:
 
 
 def from_hf(folder: hf.Folder, *, param_dtype: str = "float32", dtype: str = "float32",
-            fp8: str | None = None) -> Transformer:
+            fp8: str | None = None, execution: dict | None = None) -> Transformer:
   """Builds the model of an HF folder and streams its tensors into the Variables, one Variable at a time."""
-  cfg = hf_model_config(folder)
+  cfg = dataclasses.replace(hf_model_config(folder), **(execution or {}))
   mesh = _active_mesh()
   graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.build(cfg, param_dtype=param_dtype, dtype=dtype,
                                                                      fp8=fp8)))
@@ -147,13 +149,16 @@ def _not_ocdbt_merge(record: logging.LogRecord) -> bool:
 
 
 def from_checkpoint(path: str | Path, *, param_dtype: str = "float32", dtype: str = "float32",
-                    step: int | None = None, fp8: str | None = None) -> tuple[Transformer, config_lib.Config, int]:
+                    step: int | None = None, fp8: str | None = None,
+                    execution: dict | None = None) -> tuple[Transformer, config_lib.Config, int]:
   """The model of a jaxseek checkpoint folder at `step` (None: its latest), restored straight onto the active
-  mesh."""
+  mesh, running with the `execution` choices (config.EXECUTION_KEYS; None: the checkpoint's, made portable)."""
   import orbax.checkpoint as ocp
 
   path = Path(path).absolute()
   cfg = config_lib.load(path / "config.yaml")
+  model = dataclasses.replace(cfg.model, **execution) if execution else config_lib.portable(cfg.model)
+  cfg = dataclasses.replace(cfg, model=model)
   if not (path / "checkpoints").is_dir():
     raise UserError(f"{path} has config.yaml but no checkpoints/ folder; pass a jaxseek checkpoint folder")
   mesh = _active_mesh()
