@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -99,17 +100,27 @@ def checkpoint_dir(path: str | Path) -> Path:
   return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
+def _background_failure(record: logging.LogRecord) -> bool:
+  """False for Orbax's log of a background save that failed (a traceback of some 100 lines): the failure itself is
+  raised again at the next save or wait (`Checkpointer.saving`), and said there in one line."""
+  return not any(text in str(record.msg) for text in ("in background save thread", "Save Finalize thread"))
+
+
 class Checkpointer:
   """Saves and restores the train state, the data iterator and the config of one run."""
 
   def __init__(self, cfg: config_lib.Config, directory: str | Path, *, read_only: bool = False):
     _register_array_handler()
+    logging.getLogger("absl").addFilter(_background_failure)  # a filter added twice is kept once
     self.cfg = cfg
     self.read_only = read_only  # another run's checkpoints (checkpoint.load_from)
     self.directory = checkpoint_dir(directory).absolute()
+    # each step's folder is made in the calling thread: Orbax's background folder-making thread, when it fails
+    # (a folder that became unwritable), leaves the threads waiting for it, and the save, hung for ever
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.checkpoint.keep, keep_period=cfg.checkpoint.keep_every or None,
-        enable_async_checkpointing=cfg.checkpoint.async_save, create=not read_only, read_only=read_only)
+        enable_async_checkpointing=cfg.checkpoint.async_save, create=not read_only, read_only=read_only,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -129,8 +140,26 @@ class Checkpointer:
     if data_iterator is not None:
       import grain
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    with self.saving(step):
+      self.manager.check_for_errors()  # the previous save's background write
+      check_writable(self.directory, "checkpoints")  # before Orbax starts a save it cannot finish
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     return time.perf_counter() - start
+
+  @contextlib.contextmanager
+  def saving(self, step: int | None):
+    """A save, or the wait for one, that fails ends the run with one line; the committed steps stay."""
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 — Orbax and TensorStore raise what the file system raised
+      with contextlib.suppress(Exception):  # a save still in flight finishes, or fails, before the steps are read
+        self.manager.wait_until_finished()
+      kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+      what = f"saving step {step}" if step is not None else "finishing the last save"
+      why = str(e).split(": ", 1)[1] if isinstance(e, UserError) else _innermost_line(e)
+      raise UserError(f"checkpoint: {what} in {self.directory} failed ({why}); the committed steps "
+                      f"{kept or '(none)'} are kept: make the folder writable (or free space) and run the same "
+                      f"command to resume") from None
 
   def saved_config(self, step: int) -> dict:
     try:
@@ -258,11 +287,35 @@ class Checkpointer:
     return [json.loads(p.read_text()) for p in files]
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    with self.saving(None):
+      self.manager.wait_until_finished()
+      self.manager.check_for_errors()
 
-  def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+  def close(self, *, failed: bool = False) -> None:
+    """Waits for the last save and closes; `failed`: the run is ending on an error already said, so a save
+    that fails too is not said again."""
+    try:
+      self.wait()
+    except UserError:
+      if not failed:
+        raise
+    finally:
+      self.manager.close()
+
+
+def check_writable(folder: Path, key: str) -> None:
+  """Refuses a folder this process cannot write into, or create (its nearest existing parent), leaving nothing
+  behind: one line instead of a save that fails in Orbax's background threads."""
+  existing = Path(folder)
+  while not existing.exists() and existing != existing.parent:
+    existing = existing.parent
+  if not existing.is_dir():
+    raise UserError(f"{key}: {existing} is a file, not a folder; remove it or choose another train.run_dir")
+  try:
+    tempfile.TemporaryDirectory(dir=existing, prefix=".jaxseek-write-check-").cleanup()
+  except OSError as e:
+    raise UserError(f"{key}: cannot write into {existing} ({e.strerror}); make it writable or choose another "
+                    f"train.run_dir") from None
 
 
 def _pipeline_size(tree: Any) -> int:

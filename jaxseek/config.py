@@ -399,6 +399,33 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
   return cfg
 
 
+# Keys that name files or folders: `~` is expanded (as a shell would have), and an empty value is refused.
+PATH_KEYS = ("data.source", "eval.source", "train.run_dir", "train.pgle_profile", "checkpoint.load_from")
+
+
+def expand_paths(cfg: Config) -> Config:
+  """`cfg` with `~` and `~user` expanded in PATH_KEYS; an empty path (an unset shell variable) or a user that
+  does not exist is refused."""
+  def one(key: str, path: str) -> str:
+    if not path.strip():
+      raise UserError(f"config key {key}: the path is empty (an unset shell variable?); name a file or folder"
+                      + (", or null" if key != "train.run_dir" and key != "data.source" else ""))
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):
+      raise UserError(f"config key {key}: {path} starts with ~ but names no user's home; write the path out")
+    return expanded
+
+  sections = {}
+  for key in PATH_KEYS:
+    section, field = key.split(".")
+    value = getattr(getattr(cfg, section), field)
+    if value is None:
+      continue
+    value = one(key, value) if isinstance(value, str) else tuple(one(f"{key}[{i}]", v) for i, v in enumerate(value))
+    sections[section] = dataclasses.replace(sections.get(section, getattr(cfg, section)), **{field: value})
+  return dataclasses.replace(cfg, **sections)
+
+
 def read_text(path: Path, what: str, fix: str) -> str:
   """The file's UTF-8 text; UserError "<what> is not text (byte N is not UTF-8); <fix>" when it is not."""
   data = Path(path).read_bytes()
@@ -432,7 +459,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     if not isinstance(value, dict):
       raise UserError(f"config section {name!r} must be a mapping of keys, got {value!r}")
     sections[name] = _build(_SECTIONS[name], value, name)
-  return Config(**sections)
+  return expand_paths(Config(**sections))
 
 
 def portable(model: ModelConfig) -> ModelConfig:
@@ -608,6 +635,10 @@ def _check_model(cfg: Config, model_only: bool) -> None:
                     f"dropless dispatch")
   if m.moe_max_expert_shards is not None and m.moe_max_expert_shards < 1:
     raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} must be ≥ 1, or null")
+  if m.moe_dispatch == "two_stage" and m.moe_capacity_factor is not None:
+    raise UserError(f"config key model.moe_dispatch: two_stage is dropless and model.moe_capacity_factor="
+                    f"{m.moe_capacity_factor:g} drops; set model.moe_capacity_factor=null, or model.moe_dispatch="
+                    f"auto")
   if m.moe_overlap_chunks < 1:
     raise UserError(f"config key model.moe_overlap_chunks: {m.moe_overlap_chunks} must be ≥ 1 (1: one exchange "
                     f"per MoE layer run)")
@@ -689,15 +720,27 @@ def _check_optim(cfg: Config) -> None:
     raise UserError(f"config key optim.clip_norm: {cfg.optim.clip_norm} must be ≥ 0 (0 turns clipping off)")
 
 
+# train.latency_hiding_memory's ceiling: the scheduler's own estimate of a pipelined MoE step's peak runs about
+# twice the compiled one, so 200 plans for about the device; 400, twice that by either measure.
+MAX_LATENCY_HIDING_MEMORY = 400
+
+
 def _check_train(cfg: Config) -> None:
   t = cfg.train
   if t.pgle_profile is not None and not os.path.isfile(t.pgle_profile):
     raise UserError(f"config key train.pgle_profile: {t.pgle_profile} is not a file; write one with python -m "
                     f"jaxseek.explore --config FILE ... --compile --target h100 --pgle-profile {t.pgle_profile}, or "
                     f"set null")
-  if t.latency_hiding_memory < 1:
-    raise UserError(f"config key train.latency_hiding_memory: {t.latency_hiding_memory} must be ≥ 1 (% of XLA's "
-                    f"memory limit; XLA's default is 95)")
+  if t.pgle_profile is not None:
+    from jaxseek.kernels.choice import pgle_profile_error
+    if (why := pgle_profile_error(t.pgle_profile)) is not None:
+      raise UserError(f"config key train.pgle_profile: {t.pgle_profile} {why}; write one with python -m "
+                      f"jaxseek.explore --config FILE ... --compile --target h100 --pgle-profile FILE, or set null")
+  if not 1 <= t.latency_hiding_memory <= MAX_LATENCY_HIDING_MEMORY:
+    raise UserError(f"config key train.latency_hiding_memory: {t.latency_hiding_memory} must be between 1 and "
+                    f"{MAX_LATENCY_HIDING_MEMORY} (% of XLA's memory limit, 80% of the device; XLA's default is 95, "
+                    f"and past {MAX_LATENCY_HIDING_MEMORY} the scheduler would plan for far more memory than a "
+                    f"device has)")
   if t.powersgd_rank < 1:
     raise UserError(f"config key train.powersgd_rank: {t.powersgd_rank} must be ≥ 1 (4 is a good start)")
   if t.powersgd_start_step < 0:
@@ -725,6 +768,9 @@ def _check_train(cfg: Config) -> None:
     raise UserError(f"config key train.pipeline_overlap: true runs a tick's forward beside its backward, and "
                     f"train.pipeline_schedule={t.pipeline_schedule} has no such ticks; use "
                     f"{' or '.join(PAIRED_SCHEDULES)}, or set false")
+  if t.pipeline_overlap and cfg.mesh.pipeline == 1:
+    raise UserError("config key train.pipeline_overlap: true pairs the ticks of a pipeline schedule and "
+                    "mesh.pipeline=1 runs none; set mesh.pipeline > 1, or train.pipeline_overlap=false")
   if t.pipeline_schedule in ("1f1b", "zb_h1") and t.pipeline_repeats != 1:
     raise UserError(f"config key train.pipeline_schedule: {t.pipeline_schedule} runs one chunk per stage, got "
                     f"train.pipeline_repeats={t.pipeline_repeats}; use interleaved_1f1b for several")

@@ -80,6 +80,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   batches = input_lib.GlobalBatches(cfg, mesh)  # the data (and the evaluation set) opened before it is, too
   # the state is restored before the run directory is written: a refused or unreadable checkpoint leaves it as it was
   own = Path(cfg.train.run_dir) / "checkpoints"
+  checkpoint_lib.check_writable(own, f"train.run_dir={cfg.train.run_dir}")  # saves could not be written
   ckpt = checkpoint_lib.Checkpointer(cfg, own) if own.is_dir() else None
   try:
     evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
@@ -87,7 +88,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
     run_dir = prepare_run_dir(cfg)
   except BaseException:
     if ckpt is not None:
-      ckpt.close()
+      ckpt.close(failed=True)
     batches.close()
     raise
   ckpt = ckpt or checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
@@ -114,14 +115,16 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")
+  failed = True
   try:
     with jax.set_mesh(mesh):
       state, stopped = _loop(cfg, step_fn, state, start, batches=batches, ckpt=ckpt, evaluator=evaluator,
                              reporter=reporter, preemption=preemption, watchdog=watchdog, profiler=profiler)
+    failed = False
   finally:
     profiler.close()
     with watchdog.phase(watchdog.FINAL * cfg.train.step_timeout_s if cfg.train.step_timeout_s else None):
-      ckpt.close()  # the last save finishing (with every process)
+      ckpt.close(failed=failed)  # the last save finishing (with every process)
     watchdog.stop()
     preemption.restore()
     reporter.writer.close()

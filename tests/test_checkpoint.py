@@ -216,6 +216,67 @@ def test_mismatched_and_corrupt_checkpoints_are_refused(tmp_path, run_env):
   assert (tmp_path / "config.yaml").read_text() == written
 
 
+# A run whose checkpoints/ folder becomes unwritable before the save of step 3 (chattr +i: root, as CI runs,
+# ignores permission bits), once step 2's save has finished (`wait`) or while it may still be written. `check`
+# false: jaxseek's own check before a save is off, so the failure is Orbax's.
+UNWRITABLE_RUN = """
+import subprocess, sys
+from jaxseek import checkpoint, train
+real_save, check, wait = checkpoint.Checkpointer.save, {check}, {wait}
+def save(self, step, state, iterator):
+  if step == 3:
+    if wait:
+      self.manager.wait_until_finished()
+    subprocess.run(["chattr", "+i", str(self.directory)], check=True)
+  return real_save(self, step, state, iterator)
+checkpoint.Checkpointer.save = save
+if not check:
+  checkpoint.check_writable = lambda *a: None
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("check, wait", [(True, True), (False, True), (True, False)],
+                         ids=["checked", "orbax", "in-flight"])
+def test_a_save_that_fails_ends_the_run_with_one_line_and_keeps_the_saved_steps(check, wait, tmp_path, run_env):
+  """A checkpoints/ folder that becomes unwritable mid-run: the run ends within seconds with one line and a
+  non-zero status (Orbax's background folder-making thread, failing, used to leave the save waiting for ever),
+  and the steps already committed stay and resume. A save still being written when the folder turns (in-flight)
+  fails in Orbax's background thread: said once, at the next save or at the end, without Orbax's traceback."""
+  run_dir = tmp_path / "run"
+  args = [*RUN[2:], "train.steps=6", "checkpoint.every=1", f"train.run_dir={run_dir}"]
+  try:
+    out = subprocess.run([sys.executable, "-c", UNWRITABLE_RUN.format(check=check, wait=wait), *args],
+                         env=run_env, capture_output=True, text=True, timeout=240)
+  finally:
+    subprocess.run(["chattr", "-i", str(run_dir / "checkpoints")], check=False)
+  # (a test session's compilation cache may warn that an entry was removed under it: not the run's output)
+  lines = [l for l in out.stderr.splitlines() if not (l.startswith("WARNING") or "Warning:" in l or
+                                                      l.strip() == "warnings.warn(")]
+  assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+  assert lines[0].startswith("error: checkpoint: saving step") and "Operation not permitted" in lines[0], lines[0]
+  kept = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+  assert kept == [1, 2] if wait else kept in ([1], [1, 2]), kept
+  assert f"the committed steps {kept} are kept" in lines[0], lines[0]
+  if wait:
+    assert ("saving step 3" in lines[0]) and ("cannot write into" in lines[0]) == check, lines[0]
+  resumed = subprocess.run([sys.executable, *RUN, "train.steps=3", f"train.run_dir={run_dir}"], env=run_env,
+                           capture_output=True, text=True, timeout=240)
+  assert resumed.returncode == 0 and f"resumed from step {kept[-1]}" in resumed.stdout, resumed.stderr[-3000:]
+
+
+def test_an_unwritable_checkpoints_folder_is_refused_before_anything_is_written(tmp_path):
+  (tmp_path / "checkpoints").mkdir()
+  subprocess.run(["chattr", "+i", str(tmp_path / "checkpoints")], check=True)
+  try:
+    with pytest.raises(UserError, match=rf"train.run_dir={tmp_path}: cannot write into {tmp_path}/checkpoints "
+                                        r"\(Operation not permitted\); make it writable"):
+      train_lib.run(load_config("tiny-v3", "mesh.data=8", "train.steps=1", f"train.run_dir={tmp_path}"))
+  finally:
+    subprocess.run(["chattr", "-i", str(tmp_path / "checkpoints")], check=True)
+  assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
+
+
 @pytest.fixture(scope="module")
 def truncated_run(tmp_path_factory):
   """A run directory whose checkpoint's array store was cut short (its OCDBT manifest halved)."""

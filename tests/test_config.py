@@ -1,5 +1,6 @@
 """Config loading, overrides and the one-line errors for bad input."""
 
+import os
 import subprocess
 import sys
 
@@ -117,6 +118,12 @@ BAD_INPUT = [
     (["train.pipeline_overlap=true"], "train.pipeline_overlap: true runs a tick's forward beside its backward",
      "use 1f1b or interleaved_1f1b, or set false"),
     (["train.pipeline_overlap=sometimes"], "config key train.pipeline_overlap", "expected true or false"),
+    (["train.pipeline_overlap=true", "train.pipeline_schedule=1f1b"], "train.pipeline_overlap: true pairs the ticks "
+     "of a pipeline schedule and mesh.pipeline=1 runs none", "set mesh.pipeline > 1"),
+    (["train.latency_hiding_memory=100000"], "train.latency_hiding_memory: 100000 must be between 1 and 400",
+     "XLA's default is 95"),
+    (["model.moe_dispatch=two_stage", "model.moe_capacity_factor=1.25"], "model.moe_dispatch: two_stage is dropless "
+     "and model.moe_capacity_factor=1.25 drops", "model.moe_capacity_factor=null"),
     (["train.pgle_profile=/no/such/costs.pbtxt"], "config key train.pgle_profile: /no/such/costs.pbtxt is not a file",
      "--pgle-profile"),
     (["train.pipeline_schedule=pipedream"], "config key train.pipeline_schedule", "'dualpipev'"),
@@ -127,6 +134,11 @@ BAD_INPUT = [
     (["model.attention_impl=triton"], "model.attention_impl: triton is a GPU kernel", "use auto, blocked or dense"),
     (["model.moe_matmul=tokamax_triton"], "model.moe_matmul: tokamax_triton is a GPU kernel", "ragged_dot"),
     (["model.attention_impl=flash"], "config key model.attention_impl", "'blocked'"),
+    # paths: an empty one (an unset shell variable) and a home that does not exist
+    (["train.run_dir="], "config key train.run_dir: the path is empty", "name a file or folder"),
+    (["checkpoint.load_from="], "config key checkpoint.load_from: the path is empty", "or null"),
+    (["train.run_dir=~no-such-user-jaxseek/x"], "train.run_dir: ~no-such-user-jaxseek/x starts with ~ but names no "
+     "user's home", "write the path out"),
     # the data and the evaluation set are opened before the run directory is written
     (["data.source=/nonexistent/jaxseek-data"], "data.source folder /nonexistent/jaxseek-data not found",
      "prepare_data.py"),
@@ -144,6 +156,39 @@ def test_bad_input_is_one_line_with_exit_status_2(overrides, message, hint, caps
   assert message in err and hint in err, err
   assert "Traceback" not in err
   assert not (tmp_path / "run").exists()  # nothing written before the input is known good
+
+
+@pytest.mark.parametrize("content, message", [(b"", "names no instruction's cost (an empty profile)"),
+                                              (b"not a profile\n", "is not an op-cost profile XLA reads"),
+                                              (b"\x89PNG\r\n\x1a\n\xff\xfe", "is not an op-cost profile XLA reads")],
+                         ids=["empty", "text", "binary"])
+def test_a_pgle_profile_xla_cannot_read_is_refused(content, message, tmp_path, capsys):
+  """XLA drops a profile it cannot parse with a log line while compiling on a GPU; the run would still say it
+  plans with it. The file is parsed as XLA's ProfiledInstructionsProto first, on every platform."""
+  profile = tmp_path / "costs.pbtxt"
+  profile.write_bytes(content)
+  assert main(["--config", str(CONFIGS / "tiny-v3.yaml"), f"train.run_dir={tmp_path}/run",
+               f"train.pgle_profile={profile}"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"train.pgle_profile: {profile} {message}" in err, err
+  assert not (tmp_path / "run").exists()
+  profile.write_text('costs { name: "fusion.3" cost_us: 12.5 }\nlatencies { source: "a" target: "b" latency_us: 1 }\n')
+  assert config_lib.load(CONFIGS / "tiny-v3.yaml", [f"train.pgle_profile={profile}"]).train.pgle_profile == str(profile)
+
+
+def test_home_is_expanded_in_every_path_key(tmp_path):
+  """`~` in a path key means the home folder, as a shell would have expanded it: never a folder named `~`."""
+  cfg = config_lib.load(CONFIGS / "tiny-v3.yaml", ["train.run_dir=~/runs/x", "checkpoint.load_from=~/runs/y",
+                                                   "data.source=[~/data/a, ~/data/b]", "eval.source=~/held"])
+  home = os.path.expanduser("~")
+  assert cfg.train.run_dir == f"{home}/runs/x" and cfg.checkpoint.load_from == f"{home}/runs/y"
+  assert cfg.data.source == (f"{home}/data/a", f"{home}/data/b") and cfg.eval.source == f"{home}/held"
+  profile = tmp_path / "costs.pbtxt"
+  profile.write_text("")
+  relative = os.path.relpath(profile, home)
+  with pytest.raises(UserError) as refused:  # expanded before it is looked for (and refused: it is empty)
+    config_lib.load(CONFIGS / "tiny-v3.yaml", [f"train.pgle_profile=~/{relative}"])
+  assert "is not a file" not in str(refused.value)
 
 
 def test_missing_and_malformed_config_files(tmp_path, capsys):

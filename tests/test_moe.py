@@ -796,6 +796,14 @@ def test_dispatch_summary_gives_the_rows_one_layer_moves_per_device():
                                               "model.moe_dispatch_dtype=float8_e4m3fn"), sizes, "gpu")
   assert "ragged_all_to_all over expert=4" in line and "receive buffer of 192 rows" in line, line
   assert "one round from 4, further rounds past it, none dropped" in line and "float8_e4m3fn rows with float32 scales" in line, line
+  # two_stage asked for where the expert axis has no second level: the one-stage exchange runs, and the line says so
+  staged = load_config("tiny-v3", "mesh.data=2", "mesh.expert=4", "model.moe_dispatch=two_stage")
+  for node, why in ((None, "the expert axis's 4 shards lie within one node"),
+                    (3, "3 devices a node do not split the expert axis's 4 shards into whole nodes")):
+    line = experts.dispatch_summary(staged, sizes, "gpu", node=node)
+    assert line.startswith("MoE dispatch: ragged_all_to_all over expert=4") and line.endswith(
+        f"(model.moe_dispatch=two_stage runs as this one-stage exchange: {why})"), line
+  assert "two-stage (node-limited) over expert=4 as 2 nodes × 2" in experts.dispatch_summary(staged, sizes, "gpu", node=2)
 
 
 @pytest.mark.parametrize("path", ["fixed", "ragged"])

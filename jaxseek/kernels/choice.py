@@ -49,6 +49,45 @@ def compiler_options(cfg, where: str | None = None) -> dict[str, bool | int]:
   return options
 
 
+def pgle_profile_error(path: str) -> str | None:
+  """Why the file at `path` is not an op-cost profile XLA can read (a ProfiledInstructionsProto, as text or
+  binary, naming at least one instruction), or None. XLA reads it only while compiling on a GPU, and a file it
+  cannot parse is dropped there with a log line: checked here instead, on every platform."""
+  from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format, unknown_fields
+
+  proto = descriptor_pb2.FileDescriptorProto(name="jaxseek_pgle.proto", package="tensorflow.profiler",
+                                             syntax="proto3")
+  message = proto.message_type.add(name="ProfiledInstructionsProto")
+  scalar = descriptor_pb2.FieldDescriptorProto
+  for name, fields in (("InstructionCost", (("name", scalar.TYPE_STRING), ("cost_us", scalar.TYPE_DOUBLE))),
+                       ("Latency", (("source", scalar.TYPE_STRING), ("target", scalar.TYPE_STRING),
+                                    ("latency_us", scalar.TYPE_DOUBLE)))):
+    nested = message.nested_type.add(name=name)
+    for number, (field, kind) in enumerate(fields, 1):
+      nested.field.add(name=field, number=number, type=kind, label=scalar.LABEL_OPTIONAL)
+  for number, (field, kind) in enumerate((("costs", "InstructionCost"), ("latencies", "Latency")), 1):
+    message.field.add(name=field, number=number, type=scalar.TYPE_MESSAGE, label=scalar.LABEL_REPEATED,
+                      type_name=f".tensorflow.profiler.ProfiledInstructionsProto.{kind}")
+  pool = descriptor_pool.DescriptorPool()
+  pool.Add(proto)
+  profile = message_factory.GetMessageClass(pool.FindMessageTypeByName(
+      "tensorflow.profiler.ProfiledInstructionsProto"))()
+  data = open(path, "rb").read()
+  try:
+    text_format.Parse(data.decode("utf-8"), profile)
+  except (UnicodeDecodeError, text_format.ParseError) as text_error:
+    try:
+      profile.ParseFromString(data)
+      foreign = len(unknown_fields.UnknownFieldSet(profile))  # bytes that decode, but as no field of the profile
+    except Exception:  # noqa: BLE001 — protobuf's DecodeError, or what a non-protobuf file makes it raise
+      foreign = 1
+    if foreign:
+      return f"is not an op-cost profile XLA reads ({str(text_error).splitlines()[0][:120]})"
+  if not profile.costs and not profile.latencies:
+    return "names no instruction's cost (an empty profile)"
+  return None
+
+
 MOSAIC_SM = (9.0, 11.0)  # tokamax 0.0.12's Mosaic GPU kernels: Hopper (sm_90) and Blackwell (sm_100)
 TRITON_SM = 8.0  # Triton (Pallas) kernels: Ampere and later
 MOSAIC_SM100_HEAD_DIM = 64  # the widest head tokamax 0.0.12's sm_100 Mosaic attention fits in shared memory

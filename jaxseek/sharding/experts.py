@@ -469,10 +469,15 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
             f"then fans out within the node into a receive buffer of {recv} rows a round (further rounds past it, "
             f"none dropped); the node's sums come back one row per token and node; {rows}, results back in "
             f"{t.compute_dtype}{split}")
+  instead = ""
+  if m.moe_dispatch == "two_stage":  # asked for, but there is no second level to fan out in
+    spans = f"the expert axis's {P} shards lie within one node" if node is None or node >= P else \
+        f"{node} devices a node do not split the expert axis's {P} shards into whole nodes"
+    instead = f" (model.moe_dispatch=two_stage runs as this one-stage exchange: {spans})"
   return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
           f"into a receive buffer of {recv} rows a round (model.moe_recv_factor={m.moe_recv_factor:g}: one round "
           f"from {min(P, m.n_routed_experts / K):g}, further rounds past it, none dropped); {rows}, results back in "
-          f"{t.compute_dtype}{split}")
+          f"{t.compute_dtype}{split}{instead}")
 
 
 def _manual_axes() -> tuple[str, ...]:
