@@ -504,6 +504,25 @@ def _hms(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def nonfinite_cause(cfg: Config, values: dict, *, first: bool) -> str:
+  """What produced a step's first non-finite value, as far as the step's own numbers tell: the forward pass (a
+  non-finite loss) or the backward (a finite loss, a non-finite gradient); at a run's first step nothing has been
+  updated yet, so the learning rate cannot be the cause, and the compute dtype and FP8 GEMMs are what overflow."""
+  t = cfg.train
+  part = "the forward pass (the loss)" if not math.isfinite(values["loss"]) else \
+      "the backward pass (the loss was finite, its gradient is not)"
+  suspects = []
+  if t.compute_dtype == "float16":
+    suspects.append("float16 compute, whose values end at 65,504 (train.compute_dtype=bfloat16 has float32's range)")
+  if t.fp8 not in (False, "none"):
+    suspects.append(f"the FP8 GEMMs (train.fp8={t.fp8}: a run with train.fp8=false tells them apart)")
+  if first:
+    why = "; ".join(suspects) or "the data or the model's initialisation (the parameters were finite)"
+    return f"{part} overflowed at the run's first step, before any update, so optim.lr is not the cause: {why}"
+  return f"{part} became non-finite after finite steps: lower optim.lr" + \
+      (f", or look at {'; '.join(suspects)}" if suspects else "")
+
+
 class StepReporter:
   """Fetches each step's metrics (waiting for that step to finish), times steps, writes every metrics.every."""
 
@@ -520,9 +539,9 @@ class StepReporter:
     self.skipped += int(values["skipped"])
     if values["nonfinite"] and self.cfg.train.on_nonfinite == "stop":
       self.writer.write(step, values)
-      raise RunStopped(f"step {step}: loss {values['loss']:g}, gradient norm {values['grad_norm']:g}; the "
-                       f"parameters were not updated and checkpoints on disk hold finite values; lower optim.lr, "
-                       f"or set train.on_nonfinite=skip to skip such steps")
+      raise RunStopped(f"step {step}: loss {values['loss']:g}, gradient norm {values['grad_norm']:g}; "
+                       f"{nonfinite_cause(self.cfg, values, first=not self.losses)}; the parameters were not updated "
+                       f"and checkpoints on disk hold finite values (train.on_nonfinite=skip skips such steps)")
     done = time.perf_counter()
     # the time of an evaluation after the step is not the step's
     step_time, self.last_done = done - self.last_done - extra.get("eval_time_s", 0.0), done

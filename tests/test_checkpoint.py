@@ -116,7 +116,8 @@ def test_checkpoint_reshards_onto_another_mesh(tmp_path, target):
 def test_nonfinite_loss_stops_and_checkpoints_stay_finite(tmp_path):
   cfg = load_config("tiny-v3", "mesh.data=8", "optim.lr=1e4", "optim.warmup_steps=1", "optim.clip_norm=1e6",
                     "train.steps=40", "checkpoint.every=1", "checkpoint.async_save=false", f"train.run_dir={tmp_path}")
-  with pytest.raises(RunStopped, match="parameters were not updated"):
+  with pytest.raises(RunStopped, match="became non-finite after finite steps: lower optim.lr; the parameters were "
+                                        "not updated"):
     train_lib.run(cfg)
   records = read_jsonl(tmp_path / "metrics.jsonl")
   assert records[-1]["nonfinite"] == 1

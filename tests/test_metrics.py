@@ -154,3 +154,19 @@ def test_jsonl_reader_skips_a_line_being_written_and_writer_repairs_a_cut_line(t
   path.write_bytes(b'{"step": 1, "lo')  # a file holding only a cut line is emptied
   metrics_lib.Jsonl(path).close()
   assert path.read_bytes() == b""
+
+
+def test_a_nonfinite_step_names_what_overflowed_not_always_the_learning_rate():
+  """At a run's first step nothing has been updated: a non-finite loss there comes from the forward pass of finite
+  parameters (float16's range, FP8 GEMMs), never from optim.lr; after finite steps the learning rate is the
+  first suspect."""
+  from jaxseek.metrics import nonfinite_cause
+
+  half = load_config("tiny-v3", "train.compute_dtype=float16", "train.fp8=rowwise")
+  first = nonfinite_cause(half, {"loss": float("nan"), "grad_norm": float("nan")}, first=True)
+  assert first.startswith("the forward pass (the loss) overflowed at the run's first step, before any update, so "
+                          "optim.lr is not the cause: float16 compute"), first
+  assert "train.fp8=rowwise" in first and "lower optim.lr" not in first
+  later = nonfinite_cause(load_config("tiny-v3"), {"loss": 2.0, "grad_norm": float("inf")}, first=False)
+  assert later == "the backward pass (the loss was finite, its gradient is not) became non-finite after finite " \
+                  "steps: lower optim.lr", later
