@@ -226,6 +226,12 @@ def test_startup_summary_names_the_kernels_and_a_missing_tokamax():
                           tokamax=True)
   assert "attention cudnn" in cudnn and "square of train.seq_len" in cudnn
   assert choice.summary(cfg, "cpu").startswith("kernels on cpu: attention blocked")
+  # the GPU scheduler's settings: said unused where they do nothing, never "used"
+  tuned = config_lib.load("configs/bench-v3-1b.yaml", ["train.latency_hiding_memory=200", "train.latency_hiding=false"])
+  assert choice.summary(tuned, "cpu").endswith("| train.latency_hiding=False, train.latency_hiding_memory=200 unused "
+                                               "(they set XLA's GPU scheduler)")
+  assert "unused" not in choice.summary(cfg, "cpu")
+  assert choice.summary(tuned, "gpu", 9.0, tokamax=True).endswith("XLA latency-hiding scheduler off")
 
 
 def expert_inputs(R=40, D=12, M=10, E=5, seed=1):

@@ -270,7 +270,14 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
   if where == "gpu":
     memory = f" within {t.latency_hiding_memory}% of XLA's memory limit" if t.latency_hiding_memory != 95 else ""
     profile = f", op costs from {t.pgle_profile}" if t.pgle_profile and t.latency_hiding else ""
-    parts.append(f"XLA latency-hiding scheduler {'on' + memory + profile if t.latency_hiding else 'off'}")
+    unused = f" (train.pgle_profile={t.pgle_profile} unused)" if t.pgle_profile and not t.latency_hiding else ""
+    parts.append(f"XLA latency-hiding scheduler {'on' + memory + profile if t.latency_hiding else 'off' + unused}")
+  else:  # the scheduler's settings shape a GPU compile only
+    unused = [f"train.{key}={getattr(t, key)}" for key, default in (("pgle_profile", None), ("latency_hiding", True),
+                                                                    ("latency_hiding_memory", 95))
+              if getattr(t, key) != default]
+    if unused:
+      parts.append(f"{', '.join(unused)} unused (they set XLA's GPU scheduler)")
   line = f"kernels on {where if where != 'gpu' else sm(cc)}: " + " | ".join(parts)
   if where == "gpu" and not installed and "auto" in (m.attention_impl, m.moe_matmul):
     line += " — tokamax is not installed, so auto takes XLA's paths: pip install -e '.[gpu]' for the GPU kernels"
