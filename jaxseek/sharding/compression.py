@@ -29,7 +29,8 @@ rows × columns where the matrix is nearest to square. With M = g + e on each sh
   (all-reduce);  sum = P·Qᵀ;  e ← M − P·Q_sᵀ (each shard's own part);  Q is kept for the next step (warm start).
 
   Orthonormalising Q first (a QR of [n, r], no communication) keeps the power step exact at full rank even when a
-  gradient of lower rank left Q degenerate. Bytes: 2(n − 1)/n · 4 · r(rows + columns) per matrix. The embedding
+  gradient of lower rank left Q degenerate. Bytes: 2(n − 1)/n · 4 · r(rows + columns) per matrix, of which each
+  device sends its share: P and Q go over `data` split over the mesh axes that split the matrix. The embedding
   and the output head (indexed by the vocabulary: full-rank gradients) go int8 in the two phases above, with
   their own error feedback; so do matrices whose factors, r(rows + columns) values, would be more than half their
   own (MIN_RATE, as PyTorch's PowerSGD hook); leaves too small for the two phases are summed in float32.
@@ -226,14 +227,17 @@ def orthonormal(x: jax.Array) -> jax.Array:
   return jnp.linalg.qr(x, mode="reduced")[0]
 
 
-def powersgd_matrix(M_S: jax.Array, Q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def powersgd_matrix(M_S: jax.Array, Q: jax.Array, factor_specs: tuple[P, P] | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One PowerSGD step on M_S [shards, *stack, m, n] with the basis Q [*stack, n, r]: (Σ_shards M ≈ P·Qᵀ,
-  each shard's dropped part M − P·Q_sᵀ, the new basis)."""
+  each shard's dropped part M − P·Q_sᵀ, the new basis). `factor_specs` (under a mesh): where the shards' P
+  [shards, *stack, m, r] and Q [shards, *stack, n, r] are summed over them (`_factor_specs`)."""
+  p_spec, q_spec = factor_specs or (None, None)
   Q = orthonormal(Q)
   # each shard's product, then the sum over shards (an all-reduce of P): einsum would sum M over the shards first
-  P_ = orthonormal(jnp.einsum("s...mn,...nr->s...mr", M_S, Q, precision=HIGHEST).sum(0))
-  Q_S = jnp.einsum("s...mn,...mr->s...nr", M_S, P_, precision=HIGHEST)
-  Q_new = Q_S.sum(0)  # an all-reduce
+  P_ = orthonormal(_summed(jnp.einsum("s...mn,...nr->s...mr", M_S, Q, precision=HIGHEST), p_spec))
+  Q_S = _placed(jnp.einsum("s...mn,...mr->s...nr", M_S, P_, precision=HIGHEST), q_spec)
+  Q_new = _summed(Q_S, q_spec)  # an all-reduce
   summed = jnp.einsum("...mr,...nr->...mn", P_, Q_new, precision=HIGHEST)
   dropped = M_S - jnp.einsum("...mr,s...nr->s...mn", P_, Q_S, precision=HIGHEST)
   return summed, dropped, Q_new
@@ -264,10 +268,42 @@ def _powersgd_all(v: list, keys: list[str], specs: list, basis: dict, views: dic
 def _powersgd(v_S: jax.Array, Q: jax.Array, view: tuple[int, int, int], spec: P):
   b, m, n = view
   shape = v_S.shape
-  summed, dropped, Q_new = powersgd_matrix(v_S.reshape(*shape[:1 + b], m, n), Q)
+  summed, dropped, Q_new = powersgd_matrix(v_S.reshape(*shape[:1 + b], m, n), Q, _factor_specs(shape, view, spec))
   summed = jax.lax.with_sharding_constraint(summed.reshape(shape[1:]), P(*spec[1:]))
   dropped = jax.lax.with_sharding_constraint(dropped.reshape(shape), spec)
   return summed, dropped, Q_new
+
+
+def _factor_specs(shape: tuple[int, ...], view: tuple[int, int, int], spec: P) -> tuple[P, P]:
+  """Where the shards' factors P [shards, *stack, m, r] and Q [shards, *stack, n, r] of a residual of `shape`
+  placed as `spec` are summed over `data`: the stacked axes split as the parameter's, the rows of P (of Q) over
+  every mesh axis that splits the parameter's matrix, those of its rows (columns) first, so that each device
+  sends r(m + n) / (m · n) of its own values (`step_bytes`). Left to XLA, P went split as the matrix's rows are
+  and Q as its columns: 1.36× those bytes on data 2 × fsdp 2 × tensor 2. A factor whose length those axes do
+  not divide is summed whole."""
+  b, m, n = view
+  full = (*spec, *(None,) * (len(shape) - len(spec)))
+  mesh_axes = lambda entries: tuple(a for e in entries for a in ((e,) if isinstance(e, str) else e or ()))
+  rest = full[1 + b:]
+  cut = next(k for k in range(len(rest) + 1) if math.prod(shape[1 + b:1 + b + k]) == m)
+  rows, cols = mesh_axes(rest[:cut]), mesh_axes(rest[cut:])
+  size = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in rows + cols)
+  split = lambda length, axes: P(full[0], *full[1:1 + b], axes or None if length % size == 0 else None, None)
+  return split(m, rows + cols), split(n, cols + rows)
+
+
+def _placed(x: jax.Array, spec: P | None) -> jax.Array:
+  return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+
+def _summed(x_S: jax.Array, spec: P | None) -> jax.Array:
+  """Σ over the first axis of x_S [shards, *stack, length, r]: the terms and the sum placed by `spec` (None: by
+  XLA), then the sum gathered whole on every device (each data shard's devices among themselves: left to XLA,
+  they took parts from other data shards' devices, which hold the same sum)."""
+  if spec is None:
+    return x_S.sum(0)
+  summed = _placed(_placed(x_S, spec).sum(0), P(*spec[1:]))
+  return _placed(summed, P(*spec[1:-2], None, None))
 
 
 # --- bytes ---------------------------------------------------------------------------------------------------
@@ -285,19 +321,29 @@ def wire_bytes(elements: float, shards: int, method: str, itemsize: int = 4) -> 
 def step_bytes(leaves: list[tuple[tuple[int, ...], tuple, int]], shards: int, method: str, rank: int = 4,
                itemsize: int = 4) -> float:
   """Bytes one device sends per step for the data-axis gradient sum; `leaves`: (global shape, logical axes,
-  elements on one device) of every parameter."""
+  elements on one device) of every parameter. The two phases send each device's block padded to whole chunks
+  (`_unit`); PowerSGD's factors go split over the mesh axes that split their matrix (`_factor_specs`: exact
+  where those axes divide the factors' lengths)."""
   total = 0.0
   for shape, axes, local in leaves:
     if method in ("bf16", "int8"):
-      total += wire_bytes(local, shards, method if two_phase_leaf(local, shards, method) else "none")
+      total += _two_phase_bytes(local, shards, method)
     elif method == "powersgd" and low_rank_leaf(shape, axes, rank):
       b, m, n = matrix_view(shape, axes)
       total += wire_bytes(local / (m * n) * rank * (m + n), shards, "none")  # P and Q, float32
     elif method == "powersgd":  # the rest as int8
-      total += wire_bytes(local, shards, "int8" if two_phase_leaf(local, shards, "int8") else "none")
+      total += _two_phase_bytes(local, shards, "int8")
     else:
       total += wire_bytes(local, shards, "none", itemsize if method == "none" else 4)
   return total
+
+
+def _two_phase_bytes(local: int, shards: int, method: str) -> float:
+  """`wire_bytes` of a leaf of `local` elements per device summed by `method` in two phases (padded to whole
+  chunks), or in float32 when too small for them."""
+  if not two_phase_leaf(local, shards, method):
+    return wire_bytes(local, shards, "none")
+  return wire_bytes(-(-local // _unit(method, shards)) * _unit(method, shards), shards, method)
 
 
 # --- basis trees: nested dicts named like the parameters -------------------------------------------------------
