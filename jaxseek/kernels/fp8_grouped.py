@@ -64,13 +64,14 @@ def _q_groups(a_RN: jax.Array, group_R: jax.Array, E: int, per_tensor: bool,
   return (a32 / s_EN.at[group_R].get(mode="clip")).astype(E4M3), s_EN
 
 
-def _ragged(q_RK, q_EKN, sizes_E, on_gpu: bool, dtype) -> jax.Array:
-  """[R, K] × [E, K, N] by group, accumulated in float32, → [R, N] in `dtype` (float32 off GPU)."""
+def _ragged(q_RK, q_EKN, sizes_E, on_gpu: bool) -> jax.Array:
+  """[R, K] × [E, K, N] by group → float32 [R, N] (unscaled e4m3 operands of up to 448: its sums reach K·448²,
+  past float16's 65,504, so it stays float32 until the scales have multiplied it)."""
   if on_gpu:
-    return gpu.tokamax_module().ragged_dot(q_RK, q_EKN, sizes_E, preferred_element_type=dtype,
+    return gpu.tokamax_module().ragged_dot(q_RK, q_EKN, sizes_E, preferred_element_type=jnp.float32,
                                            implementation="triton")
   return jax.lax.ragged_dot(q_RK.astype(jnp.float32), q_EKN.astype(jnp.float32), sizes_E,
-                            preferred_element_type=jnp.float32).astype(dtype)
+                            preferred_element_type=jnp.float32)
 
 
 def _per_group(q_RK, q_RN, sizes_E, on_gpu: bool) -> jax.Array:
@@ -97,11 +98,11 @@ def _ffn(per_tensor: bool, on_gpu: bool, axes: tuple[str, ...]):
   q = lambda a, axis: _q(a, axis, per_tensor, axes if per_tensor else ())
 
   def gemm(name, q_a, s_a, q_w, s_w_EN, sizes_E, group_R, dtype):
-    """Rows × their expert's weight, the row scales [R, 1] and the weight's [E, 1, N] applied outside, in `dtype`
-    (the GEMM's [R, N] output in the compute dtype: R is the receive buffer's rows, GiBs in float32)."""
+    """Rows × their expert's weight, the row scales [R, 1] and the weight's [E, 1, N] applied outside to the
+    float32 product, then cast to `dtype` (the unscaled product overflows float16)."""
     s_RN = s_w_EN.reshape(()) if per_tensor else s_w_EN.reshape(s_w_EN.shape[0], -1).at[group_R].get(mode="clip")
     with jax.named_scope(name):  # the GEMM's letters in its HLO name
-      return (_ragged(q_a, q_w, sizes_E, on_gpu, dtype) * s_a * s_RN).astype(dtype)
+      return (_ragged(q_a, q_w, sizes_E, on_gpu) * s_a * s_RN).astype(dtype)
 
   def forward(x_RD, sizes_E, w_in_ED2m, w_down_EmD):
     R, E = x_RD.shape[0], w_in_ED2m.shape[0]
