@@ -4,7 +4,9 @@ import json
 import math
 import os
 import re
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -864,3 +866,7 @@ def test_analytic_profile_times_each_transfer_and_kernel():
   assert set(got) == {"ag-start", "ar-start", "a2a-start", "cp-start", "f", "g", "h"}
   assert float(got["ag-start"]) == pytest.approx(32 / 1e6 * 1e6)  # 32 bytes within a node at 1 MB/s: 32 µs
   assert float(got["f"]) == pytest.approx(2 * 32 / 1e6 * 1e6)  # writes and reads 32 bytes at 1 MB/s: 64 µs
+  from jaxseek.kernels import choice
+  written = Path(tempfile.mkdtemp()) / "costs.pbtxt"  # a train.pgle_profile the run's check reads as XLA would
+  written.write_text(overlap.analytic_profile(HLO, rates))
+  assert choice.pgle_profile_error(str(written)) is None
