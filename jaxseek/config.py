@@ -194,12 +194,13 @@ class DistConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Input: `synthetic` (seeded random tokens), `python-stdlib` (this Python's own sources, byte-level), a folder
+  """Input: `synthetic` (seeded random tokens), `python-stdlib` (this Python's own sources, byte-level),
+  `python-package:NAME` (an installed package's sources, byte-level: pinned by its version), a folder
   written by scripts/prepare_data.py, or a list of such folders mixed by `weights` (see docs/data.md)."""
 
   source: str | tuple[str, ...] = "synthetic"
   weights: tuple[float, ...] = ()  # one per entry of a source list: shares of packed sequences; () = equal
-  max_bytes: int = 8_000_000  # python-stdlib: corpus size
+  max_bytes: int = 8_000_000  # python-stdlib, python-package:NAME: corpus size
   seed: int = 0
   pack_bins: int = 16  # sequences filled together by first-fit packing: more bins, less padding
   prefetch: int = 2  # local batches prepared ahead in the background (0: on demand)

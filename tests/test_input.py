@@ -277,6 +277,28 @@ def test_synthetic_and_stdlib_sources_keep_working():
   assert all(piece.endswith(b"\0") or len(piece) == 25 for piece in _segments(batch))
 
 
+def test_an_installed_package_is_a_corpus_pinned_by_its_version():
+  """data.source=python-package:NAME: the package's own .py files (tests left out), sorted by their path inside
+  it, one document each; its name carries the version and its fingerprint the bytes' sha256, so a run names the
+  corpus it read and two machines with the same lock read the same one."""
+  import importlib.metadata
+  import jax as package
+
+  docs = sources.python_package_documents("jax", 300_000)
+  root = Path(package.__file__).parent
+  files = sorted((p for p in root.rglob("*.py") if not {"test", "tests"} & set(p.relative_to(root).parts)),
+                 key=lambda p: p.relative_to(root).as_posix())
+  read = bytes(docs.tokens[0].astype(np.uint8))  # the last file cut at the budget, then its end of document
+  text = b"".join(p.read_bytes().replace(b"\0", b"") + b"\0" for p in files)[:len(read) - 1]
+  assert docs.name == f"python-package:jax=={importlib.metadata.version('jax')}"
+  assert read == text + b"\0" and 300_000 <= len(read) and docs.fingerprint.startswith(docs.name + ":")
+  assert sources.python_package_documents("jax", 300_000).fingerprint == docs.fingerprint
+  cfg = load_config("tiny-v3", "data.source=python-package:jax", "data.max_bytes=100000")
+  assert all(piece.endswith(b"\0") or len(piece) == 25 for piece in _segments(next(iter(batches.make_dataset(cfg)))))
+  with pytest.raises(UserError, match="no installed package named 'no_such_package_x'"):
+    batches.open_sources(load_config("tiny-v3", "data.source=python-package:no_such_package_x"))
+
+
 def test_bad_inputs_give_one_line_errors(tmp_path):
   _unique_docs(tmp_path, "d", 10)
   cases = [(lambda: batches.open_sources(_cfg(tmp_path / "missing")), "missing not found"),

@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxseek.config import Config
 from jaxseek.errors import UserError
 from jaxseek.input import holdout, shards
-from jaxseek.input.sources import DocumentChunks, Documents, SyntheticSource, python_stdlib_documents
+from jaxseek.input.sources import (PACKAGE_PREFIX, DocumentChunks, Documents, SyntheticSource, python_package_documents,
+                                   python_stdlib_documents)
 from jaxseek.input.state import PipelineIterator
 from jaxseek.sharding.rules import activation_spec
 
@@ -53,11 +54,12 @@ def open_sources(cfg: Config, part: str = "train") -> list[Documents]:
   for name in source_names(cfg):
     if name == "synthetic":
       continue
-    if name == "python-stdlib":
+    if name == "python-stdlib" or name.startswith(PACKAGE_PREFIX):
       if cfg.model.vocab_size < 256:
-        raise UserError(f"data.source=python-stdlib is byte-level and needs model.vocab_size ≥ 256, "
+        raise UserError(f"data.source={name} is byte-level and needs model.vocab_size ≥ 256, "
                         f"got {cfg.model.vocab_size}")
-      docs.append(python_stdlib_documents(cfg.data.max_bytes))
+      docs.append(python_stdlib_documents(cfg.data.max_bytes) if name == "python-stdlib" else
+                  python_package_documents(name[len(PACKAGE_PREFIX):], cfg.data.max_bytes))
     else:
       key = "eval.source" if part == "eval" and cfg.eval.source != "holdout" else "data.source"
       docs.append(shards.open_folder(name, cfg.model.vocab_size, cfg.data.verify_checksums, key))

@@ -111,11 +111,44 @@ def byte_documents(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
 
 def python_stdlib_documents(max_bytes: int) -> Documents:
   """The `.py` files of this Python's standard library, sorted by path, one document per file, byte-level,
-  up to about `max_bytes` (a real corpus that exists wherever jaxseek runs)."""
+  up to about `max_bytes` (a real corpus that exists wherever jaxseek runs; it differs between Python builds)."""
   root = Path(sysconfig.get_paths()["stdlib"])
+  return _source_documents(root, max_bytes, "python-stdlib", f"no Python sources found under {root}; use "
+                                                            f"data.source=synthetic")
+
+
+PACKAGE_PREFIX = "python-package:"
+
+
+def python_package_documents(name: str, max_bytes: int) -> Documents:
+  """The `.py` files of the installed package `name` (`data.source=python-package:NAME`), as
+  `python_stdlib_documents` reads the standard library's: the same bytes wherever the same version is installed
+  (constraints.txt pins every dependency's), so curves on it compare across machines. The fingerprint names the
+  version and the bytes' sha256."""
+  import importlib.metadata
+  import importlib.util
+
+  try:
+    spec = importlib.util.find_spec(name)
+  except (ImportError, ValueError):
+    spec = None
+  roots = list(spec.submodule_search_locations or []) if spec is not None else []
+  if not roots:
+    raise UserError(f"data.source={PACKAGE_PREFIX}{name}: no installed package named {name!r}; name one that is "
+                    f"installed, e.g. {PACKAGE_PREFIX}jax")
+  try:
+    version = importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    version = "unknown"
+  return _source_documents(Path(roots[0]), max_bytes, f"{PACKAGE_PREFIX}{name}=={version}",
+                           f"data.source={PACKAGE_PREFIX}{name}: {roots[0]} holds no .py files; name another package")
+
+
+def _source_documents(root: Path, max_bytes: int, name: str, missing: str) -> Documents:
+  """Every `.py` file under `root` but tests, sorted by path, one document each, up to about `max_bytes`."""
   texts, total = [], 0
-  for path in sorted(root.rglob("*.py")):
-    if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+  for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+    if {"site-packages", "test", "tests"} & set(path.relative_to(root).parts):
       continue
     try:
       data = path.read_bytes()
@@ -126,7 +159,7 @@ def python_stdlib_documents(max_bytes: int) -> Documents:
     if total >= max_bytes:
       break
   if not texts:
-    raise UserError(f"no Python sources found under {root}; use data.source=synthetic")
+    raise UserError(missing)
   tokens, offsets = byte_documents(texts)
   fingerprint = hashlib.sha256(tokens.astype(np.uint8).tobytes()).hexdigest()
-  return Documents("python-stdlib", (tokens,), (offsets,), 256, BYTE_EOS, f"python-stdlib:{fingerprint}")
+  return Documents(name, (tokens,), (offsets,), 256, BYTE_EOS, f"{name}:{fingerprint}")
