@@ -636,6 +636,10 @@ def _check_model(cfg: Config, model_only: bool) -> None:
                     f"dropless dispatch")
   if m.moe_max_expert_shards is not None and m.moe_max_expert_shards < 1:
     raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} must be ≥ 1, or null")
+  _check_dispatch(m)
+
+
+def _check_dispatch(m: ModelConfig) -> None:
   if m.moe_dispatch == "two_stage" and m.moe_capacity_factor is not None:
     raise UserError(f"config key model.moe_dispatch: two_stage is dropless and model.moe_capacity_factor="
                     f"{m.moe_capacity_factor:g} drops; set model.moe_capacity_factor=null, or model.moe_dispatch="

@@ -69,6 +69,14 @@ def restore_or_init(cfg: config_lib.Config, trainer: Trainer, ckpt: checkpoint_l
   return state
 
 
+def _own_checkpoints(cfg: config_lib.Config) -> checkpoint_lib.Checkpointer | None:
+  """The run directory's checkpoints (None when it has none yet); a folder saves could not be written to is
+  refused here, before anything is written."""
+  own = Path(cfg.train.run_dir) / "checkpoints"
+  checkpoint_lib.check_writable(own, f"train.run_dir={cfg.train.run_dir}")
+  return checkpoint_lib.Checkpointer(cfg, own) if own.is_dir() else None
+
+
 def run(cfg: config_lib.Config) -> dict[str, float]:
   """mesh → data and evaluation set → run directory → state (restored or new) → loop. Returns the summary."""
   if jax.process_index() == 0:  # where W&B will log: a missing key is refused before anything is written
@@ -79,9 +87,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   trainer = make_trainer(cfg, mesh)
   batches = input_lib.GlobalBatches(cfg, mesh)  # the data (and the evaluation set) opened before it is, too
   # the state is restored before the run directory is written: a refused or unreadable checkpoint leaves it as it was
-  own = Path(cfg.train.run_dir) / "checkpoints"
-  checkpoint_lib.check_writable(own, f"train.run_dir={cfg.train.run_dir}")  # saves could not be written
-  ckpt = checkpoint_lib.Checkpointer(cfg, own) if own.is_dir() else None
+  ckpt = _own_checkpoints(cfg)
   try:
     evaluator = Evaluator(cfg, mesh, trainer) if cfg.eval.source else None
     state = restore_or_init(cfg, trainer, ckpt, batches)
@@ -115,7 +121,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   reporter = metrics_lib.StepReporter(metrics_lib.Writer(run_dir, cfg), cfg, flops_per_step, peak)
   preemption, watchdog = faults.Preemption(), faults.Watchdog(cfg.train.step_timeout_s)
   profiler = metrics_lib.StepProfiler(cfg.metrics.profile_steps, run_dir / "profile")
-  failed = True
+  failed = True  # until the loop returns: a save failing at the end then is not said again
   try:
     with jax.set_mesh(mesh):
       state, stopped = _loop(cfg, step_fn, state, start, batches=batches, ckpt=ckpt, evaluator=evaluator,
