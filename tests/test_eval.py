@@ -168,7 +168,8 @@ def test_evaluate_errors_are_one_line(eval_run, data, tmp_path, capsys):
                          (["--json", str(tmp_path)], "is a folder; name a file"),
                          (["--tokens", "0"], "--tokens 0 must be ≥ 1"),
                          (["eval.source=x"], "evaluate reads the folder given with --data"),
-                         (["model.attention_impl=mosaic"], "the model comes from the checkpoint"),
+                         (["model.vocab_size=300"], "the model comes from the checkpoint"),
+                         (["model.attention_impl=mosaic"], "mosaic is a GPU kernel but the mesh's devices are cpu"),
                          (["train.fp8=maybe"], "config key train.fp8"),
                          (["--tokens", "-5"], "--tokens -5 must be ≥ 1")):
     assert evaluate_main(["--checkpoint", str(eval_run), "--data", str(data["eval"]), *argv]) == 2
