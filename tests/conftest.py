@@ -73,6 +73,15 @@ SLOW = {
     "tests/test_precision.py::test_fp8_training_tracks_bfloat16",
     "tests/test_metrics.py::test_prometheus_tensorboard_and_profile_of_a_real_run",
     "tests/test_checkpoint.py::test_skip_mode_leaves_the_state_unchanged_on_bad_steps",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[false-float16]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[rowwise-float16]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[tensorwise-float16]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[mxfp8-float16]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[blockwise-float16]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[tensorwise-bfloat16-dropped_scale-projections]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[tensorwise-bfloat16-dropped_scale-experts]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[tensorwise-float16-cast_before_scaling-projections]",
+    "tests/test_fp8_fidelity.py::test_gradient_error_against_float32_tells_a_planted_scaling_fault[tensorwise-float16-cast_before_scaling-experts]",
 }
 
 

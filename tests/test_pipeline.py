@@ -226,6 +226,22 @@ def test_compiled_step_passes_activations_with_collective_permute():
   assert count(flat) == 0
 
 
+def test_the_v_moves_activations_and_cotangents_in_one_ppermute_a_direction():
+  """ZB-V's tick sends by two collective-permutes, down the V and up it, each carrying the forward's output and
+  the input's cotangent stacked, inside a conditional that runs it only in the ticks the table sends by it (its
+  share of the ticks on it for the HLO's readers). It ran four, one per kind and direction, in every tick."""
+  cfg = load_config("tiny-dense", "mesh.pipeline=4", "mesh.data=2", *ZBV, "train.microbatches=8",
+                    "model.num_hidden_layers=8")
+  mesh = make_mesh(cfg)
+  trainer = step_lib.make_trainer(cfg, mesh)
+  with jax.set_mesh(mesh):
+    text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, next(global_batches(
+        cfg, mesh))).compile().as_text()
+  x = f"{cfg.train.batch_size // cfg.train.microbatches // 2},{cfg.train.seq_len},{cfg.model.hidden_size}]"
+  permutes = [line for line in text.splitlines() if re.search(r"\bcollective-permute(-start)?\(", line) and x in line]
+  assert len(permutes) == 2 and all(f"f32[2,{x}" in line and "jaxseek_share" in line for line in permutes), permutes
+
+
 def test_circular_storage_order_and_bubble():
   """Stage s holds chunks s, S + s, …: with 8 layers, 2 stages and 2 repeats, stage 0 stores layers 0, 1, 4, 5."""
   np.testing.assert_array_equal(pipeline.storage_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])
@@ -674,6 +690,7 @@ def test_paired_ticks_hold_a_forward_and_a_backward_that_do_not_wait_for_each_ot
     assert not ((st["loss_grad"] >= 0) & (st["loss_grad"] == st["b_grad"]))[p].any()
   assert not tables.table("zbv", S, M, 2).paired().any()
   cfg = load_config("tiny-v3", "train.pipeline_schedule=1f1b", f"train.microbatches={M}")
-  paired = load_config("tiny-v3", "train.pipeline_schedule=1f1b", f"train.microbatches={M}", PAIR)
+  paired = load_config("tiny-v3", "train.pipeline_schedule=1f1b", f"train.microbatches={M}", PAIR, f"mesh.pipeline={S}",
+                       "mesh.data=1")
   assert tables.pairs(paired) and not tables.pairs(cfg)
   assert tables.for_config(paired, S, 1).ticks == tables.for_config(cfg, S, 1).ticks + 1 == plain.ticks + 1
