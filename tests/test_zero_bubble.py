@@ -104,3 +104,29 @@ def test_a_deadlocking_program_is_refused():
   programs = [[(("f", 0, 0),), (("b", 0, 0),), (("w", 0, 0),)], [(("b", 0, 0),), (("f", 0, 0),), (("w", 0, 0),)]]
   with pytest.raises(AssertionError, match="deadlocks"):
     zb.run_programs(2, 1, virtual, programs)
+
+
+@pytest.mark.parametrize("name, S, M, R, permutes", [("zbv", 4, 16, 2, 134), ("1f1b", 4, 16, 1, 36),
+                                                     ("dualpipev", 4, 16, 2, 133), ("zb_h1", 4, 16, 1, 64)])
+def test_each_route_is_one_collective_run_only_in_the_ticks_it_carries_something(name, S, M, R, permutes):
+  """A tick's sends go one collective a route (Table.routes): on the V the activations and the cotangents share
+  the pairs of each direction (s → s + 1, s → s − 1), so one ppermute carries both; 1F1B's go opposite ways.
+  A route runs in every tick in which some stage receives by it and in no other. ZB-V at S = 4, M = 16 ran 300
+  ppermutes a step, one per kind and offset in each of its 75 ticks: with the simulated CPU devices sharing the
+  cores, each is a rendezvous of every device thread, and its step took 1.3-2x 1F1B's (44)."""
+  from jaxseek.pipeline import tables
+
+  table = tables.table(name, S, M, R)
+  routes = [r for r in table.routes() if r.offset]
+  for kind, by_offset in table.links.items():
+    for d, pairs in by_offset.items():
+      route, = [r for r in table.routes() if r.offset == d and r.pairs == pairs and kind in r.kinds]
+      received = (table.steps[f"{kind}_in{d}"] >= 0).any(axis=1)
+      assert not (received & ~route.active).any()  # nothing sent by it is left behind
+  for route in routes:
+    assert route.active.any() and (
+        np.logical_or.reduce([(table.steps[f"{k}_in{route.offset}"] >= 0).any(axis=1) for k in route.kinds])
+        == route.active).all()
+  if name in ("zbv", "dualpipev"):
+    assert sorted((r.offset, r.kinds) for r in routes) == [(1, ("f", "b")), (S - 1, ("f", "b"))]
+  assert sum(int(r.active.sum()) for r in routes) == permutes

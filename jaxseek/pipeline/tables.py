@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,6 +42,15 @@ STASH_WRITE, STASH_READ = 0.6, 0.8  # b writes its stash after the tick's reads;
 RESIDUAL_WRITE = 0.2  # F writes the forward's residuals (train.pipeline_recompute=false) before the loss
 SPLIT = ("zb_h1", "zbv", "dualpipev")  # the train.pipeline_schedule values whose tables split the backward
 V_SHAPED = ("zbv", "dualpipev")  # two chunks a stage on a V (stage s: virtual stages s and 2S − 1 − s)
+
+
+class Route(NamedTuple):
+  """One collective of a tick's sends (Table.routes): stage s sends to s + offset mod S over `pairs`."""
+
+  offset: int
+  pairs: tuple[tuple[int, int], ...]
+  kinds: tuple[str, ...]  # "f" (the forward's output), "b" (the input's cotangent), in this order in its payload
+  active: np.ndarray  # [ticks] bool: some stage receives by it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +106,19 @@ class Table:
       return np.zeros(self.f_micro.shape, bool)
     loss, grad = self.steps["loss_grad"], self.steps["b_grad"]
     return (self.f_micro >= 0) & (self.b_micro >= 0) & ~((loss >= 0) & (grad == loss))
+
+  def routes(self) -> list[Route]:
+    """How a tick's sends travel, one collective each: per link offset d and its (sender, receiver) pairs, the
+    kinds that go by it ("f" activations, "b" cotangents; both where they share the pairs, as on the V: down to
+    s + 1, up to s − 1) and the ticks in which some stage receives by it. Offset 0 (the V's turn) moves
+    nothing between stages."""
+    by_pairs: dict[tuple, list[str]] = {}
+    for kind in ("f", "b"):
+      for d, pairs in self.links[kind].items():
+        by_pairs.setdefault((d, pairs), []).append(kind)
+    return [Route(d, pairs, tuple(kinds),
+                  np.logical_or.reduce([(self.steps[f"{k}_in{d}"] >= 0).any(axis=1) for k in kinds]))
+            for (d, pairs), kinds in sorted(by_pairs.items())]
 
   def kept(self) -> dict[str, int]:
     """What a stage's buffers hold: stage inputs, cotangents, (split tables) stashes and (kept residuals)
