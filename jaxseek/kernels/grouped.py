@@ -20,11 +20,17 @@ from jaxseek.kernels import choice, fp8_gemm, fp8_grouped, gpu
 EXPERT_SCOPE = fp8_gemm.EXPERTS_SCOPE
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) ⊙ up in float32 from the GEMMs' outputs, cast back to their dtype, as the FP8 recipes' grouped GEMMs
+  compute it (kernels/fp8_grouped.py): the experts in bfloat16 and in FP8 differ in their GEMMs only."""
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 def ffn_ragged(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
   """SwiGLU per expert group with `lax.ragged_dot` (a grouped GEMM on accelerators)."""
   gate_Rm = jax.lax.ragged_dot(x_RD, w_gate_EDm, sizes_E)
   up_Rm = jax.lax.ragged_dot(x_RD, w_up_EDm, sizes_E)
-  return jax.lax.ragged_dot(jax.nn.silu(gate_Rm) * up_Rm, w_down_EmD, sizes_E)
+  return jax.lax.ragged_dot(swiglu(gate_Rm, up_Rm), w_down_EmD, sizes_E)
 
 
 def ffn_blocked(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
@@ -78,8 +84,8 @@ def varying_zero(*arrays) -> jax.Array:
 def _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
   def block(_, inputs):
     x_nD, e, i = inputs
-    swiglu = lambda: ((jax.nn.silu(x_nD @ w_gate_EDm[e]) * (x_nD @ w_up_EDm[e])) @ w_down_EmD[e]).astype(x_nD.dtype)
-    return None, jax.lax.cond(i < used, swiglu, lambda: jnp.zeros_like(x_nD))
+    run = lambda: (swiglu(x_nD @ w_gate_EDm[e], x_nD @ w_up_EDm[e]) @ w_down_EmD[e]).astype(x_nD.dtype)
+    return None, jax.lax.cond(i < used, run, lambda: jnp.zeros_like(x_nD))
 
   _, y_NnD = jax.lax.scan(block, None, (x_NnD, expert_N, jnp.arange(x_NnD.shape[0])))
   return y_NnD, (x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD)
@@ -89,27 +95,32 @@ def _swiglu_blocks_bwd(residuals, dy_NnD):
   """Two loops over the blocks: the first recomputes each block's hidden activations and gives the input's
   cotangent, with the hidden cotangents and activations the weight gradients need; the second accumulates each
   expert's weight gradients in place from those, in float32 (cast to the weights' dtype at the end). Each matmul
-  runs once; a zero-bubble pipeline's W (pipeline/wsplit.py) runs the second loop apart from the first."""
+  runs once; a zero-bubble pipeline's W (pipeline/wsplit.py) runs the second loop apart from the first. As the FP8
+  recipes' grouped backward (kernels/fp8_grouped.py): the GEMMs' outputs in the compute dtype, SwiGLU's derivative
+  in float32, the hidden cotangents cast back, the input gradient summed over gate and up in float32."""
   x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD = residuals
   zero = varying_zero(dy_NnD, x_NnD)  # dy may vary over fewer axes than the operands
   blocks = jnp.arange(x_NnD.shape[0])
+  dtype = jnp.result_type(x_NnD, w_gate_EDm)
+  f32 = lambda a: a.astype(jnp.float32)
 
   def input_block(_, inputs):
     x_nD, dy_nD, e, i = inputs
 
     def backward():
-      gate_nm, up_nm = x_nD @ w_gate_EDm[e], x_nD @ w_up_EDm[e]
+      gate_nm, up_nm = f32(x_nD @ w_gate_EDm[e]), f32(x_nD @ w_up_EDm[e])
       sig_nm = jax.nn.sigmoid(gate_nm)
       act_nm = gate_nm * sig_nm
-      dh_nm = dy_nD @ w_down_EmD[e].T
-      dup_nm = dh_nm * act_nm
-      dgate_nm = dh_nm * up_nm * sig_nm * (1 + gate_nm * (1 - sig_nm))
-      dx_nD = (dgate_nm @ w_gate_EDm[e].T + dup_nm @ w_up_EDm[e].T).astype(x_nD.dtype)
-      return dx_nD, dgate_nm, dup_nm, act_nm * up_nm
+      dh_nm = f32(dy_nD @ w_down_EmD[e].T)
+      dup_nm = (dh_nm * act_nm).astype(dtype)
+      dgate_nm = (dh_nm * up_nm * sig_nm * (1 + gate_nm * (1 - sig_nm))).astype(dtype)
+      input_grad = lambda d_nm, w_Dm: jnp.matmul(d_nm, w_Dm.T, preferred_element_type=jnp.float32)
+      dx_nD = (input_grad(dgate_nm, w_gate_EDm[e]) + input_grad(dup_nm, w_up_EDm[e])).astype(x_nD.dtype)
+      return dx_nD, dgate_nm, dup_nm, (act_nm * up_nm).astype(dtype)
 
     def skipped():
       m = w_gate_EDm.shape[-1]
-      hidden = jnp.zeros((x_nD.shape[0], m), jnp.result_type(x_nD, w_gate_EDm)) + zero.astype(x_nD.dtype)
+      hidden = jnp.zeros((x_nD.shape[0], m), dtype) + zero.astype(x_nD.dtype)
       return jnp.zeros_like(x_nD) + zero.astype(x_nD.dtype), hidden, hidden, hidden
 
     return None, jax.lax.cond(i < used, backward, skipped)
@@ -146,7 +157,7 @@ def ffn_tokamax(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, implementation=
   w_in_ED2m = jnp.concatenate([w_gate_EDm, w_up_EDm], axis=-1)
   gate_up_R2m = gpu.tokamax_ragged_dot(x_RD, w_in_ED2m, sizes_E, implementation)
   gate_Rm, up_Rm = jnp.split(gate_up_R2m, 2, axis=-1)
-  return gpu.tokamax_ragged_dot(jax.nn.silu(gate_Rm) * up_Rm, w_down_EmD, sizes_E, implementation)[:R]
+  return gpu.tokamax_ragged_dot(swiglu(gate_Rm, up_Rm), w_down_EmD, sizes_E, implementation)[:R]
 
 
 def expert_ffn(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD, matmul: str | tuple = "auto") -> jax.Array:
