@@ -29,6 +29,7 @@ curves (needs matplotlib).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -103,6 +104,8 @@ def main() -> None:
     runs = [(v, seed) for v in variants for seed in args.seeds]
     with tempfile.TemporaryDirectory() as scratch:
       tmp = args.run_dir or scratch
+      # the seeds of one variant compile the same program: later runs read it from this cache
+      os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tmp) / "compile-cache"))
 
       def one(run):
         (name, recipe, extra), seed = run

@@ -123,6 +123,7 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
       Path(args.hlo).write_text(hlo)
     compiled["overlap"] = explore_overlap.beside_estimate(compiled["overlap"], result["communication"],
                                                           result["step_time_s"])
+    result["prediction"] = _compiled_prediction(model, sizes, hw, result, hlo, args.devices_per_node)
     result["compiled"] = {**compiled, **explore_compile.predicted(result, compiled["batch_bytes"])}
   elif args.compile:
     from jaxseek.explore import compile as explore_compile
@@ -133,6 +134,19 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
   if not args.suggest or args.compile:
     report.print_plan(result)
   return result
+
+
+def _compiled_prediction(model, sizes, hw, result: dict[str, Any], hlo: str, per_node: int) -> dict[str, Any]:
+  """The prediction with the compiled program's own overlap, its kernels and transfers timed at achieved rates
+  (independent of the op costs the scheduler was given); the step-structure prediction kept beside it."""
+  from jaxseek.explore import overlap as explore_overlap
+  from jaxseek.explore import predict
+
+  scored = explore_overlap.overlap(hlo, predict.achieved_rates(hw, per_node))
+  shares = {kind: (r["always_hidden_bytes"] / r["always_bytes"] if r.get("always_bytes") else
+                   r["hidden_bytes"] / r["bytes"] if r.get("bytes") else 0.0) for kind, r in scored.items()}
+  p = predict.predict(model, sizes, hw, result, hidden_shares=shares)
+  return {**p, "hidden_shares_at_achieved_rates": shares, "structure_step_s": result["prediction"]["step_s"]}
 
 
 @cli

@@ -292,7 +292,8 @@ def _layer_runs(cfg, sizes, micro, passes):
   for stack, moe in (("dense_layers", False), ("moe_layers", True)):
     n = m.num_moe_layers if moe else m.num_dense_layers
     if n and ex.pipelined(cfg, stack, S):  # each stage runs its stored rows, identity padding included
-      recompute = 3 if table else passes  # a table schedule recomputes each chunk's forward in its backward
+      # a table schedule recomputes each chunk's forward in its backward (unless train.pipeline_recompute=false)
+      recompute = 3 if table and cfg.train.pipeline_recompute else passes
       groups.append((pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) // S, micro, B // micro, inner,
                      moe, max(passes, recompute), "all"))
     elif n:
@@ -561,7 +562,7 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
         from jaxseek.pipeline import tables
 
         stretch = 1 / (1 - tables.for_config(cfg, S, R).bubble())
-        if cfg.train.remat != "full":  # 1F1B recomputes each chunk's forward in its backward
+        if cfg.train.remat != "full" and cfg.train.pipeline_recompute:  # b recomputes each chunk's forward
           seconds += seconds * share * padded / 3
       else:
         stretch = 1 / (1 - pipeline_lib.bubble(cfg.train.pipeline_schedule, S, M, R))

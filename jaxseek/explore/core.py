@@ -41,6 +41,10 @@ MEMORY_TBPS = {"h100": 3.35, "h800": 3.35, "h200": 4.8, "gh200": 4.0, "a100": 2.
                "b200": 8.0}
 # dense float8 peak in TFLOP/s by PEAK_TFLOPS key (train.fp8's GEMMs; none on Ampere)
 FP8_TFLOPS = {"h100": 1979.0, "h800": 1979.0, "h200": 1979.0, "gh200": 1979.0, "l40s": 733.0, "b200": 4500.0}
+# nominal links per direction in Gb/s where they differ from the H100's NVLink 4 (3,600) and one 400G port (400):
+# the H800's NVLink cut to 400 GB/s both ways, the A100's NVLink 3 (600 GB/s both ways) with HDR 200G, the B200's
+# NVLink 5 (1.8 TB/s both ways)
+LINKS = {"h800": (1600.0, 400.0), "a100": (2400.0, 200.0), "a800": (1600.0, 200.0), "b200": (7200.0, 400.0)}
 DEFAULT_GPU = "h100-80g"
 _SIZE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e\+?[0-9]+)?)\s*(gib|gb|mib|mb|tib|tb|b)?\s*$",
                    re.IGNORECASE)
@@ -53,7 +57,9 @@ def hardware(device_memory: str | None = None, *, peak_tflops: float | None = No
   """A named GPU ("h100-80g"), a size ("80GiB", "75GB", "7.5e10B"; a bare number is GB), or None: the local
   accelerator if there is one, else h100-80g."""
   name, memory, peak, cc, fp8 = _device(device_memory)
-  links = {k: v for k, v in (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps)) if v}
+  intra, inter = next((v for k, v in LINKS.items() if k in name.lower().replace(" ", "")), (None, None))
+  links = {k: v for k, v in (("intra_node_gbps", intra_node_gbps or intra), ("inter_node_gbps", inter_node_gbps or inter))
+           if v}
   return Hardware(name, memory, peak_tflops or peak, devices_per_node=devices_per_node,
                   usable_fraction=usable_fraction, capability=cc, fp8_tflops=fp8, **links)
 
@@ -169,7 +175,15 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       if sizes["data"] > 1 else None,
       "compute": compute,
       "step_time_s": comm_lib.step_seconds(compute, comm),
-  }
+  } | _prediction(model, sizes, hw, compute, comm, memory)
+
+
+def _prediction(model: Model, sizes, hw: Hardware, compute, comm, memory) -> dict[str, Any]:
+  """The step at achieved rates (explore/predict.py), on platforms it has rates for."""
+  from jaxseek.explore import predict
+
+  result = {"compute": compute, "communication": comm, "memory_per_device": memory["bytes"]}
+  return {"prediction": predict.predict(model, sizes, hw, result)}
 
 
 def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -139,8 +139,21 @@ def print_communication(result: dict[str, Any], out: Console) -> None:
          f"{hw['fp8_tflops']:g} TFLOP/s; {seconds(compute['time_at_bf16_s'])} all at bfloat16)"
          if compute.get("fp8_flops_per_device") else "")
   out.print(f"compute {compute['flops_per_device']:.3g} FLOPs/device → {seconds(compute['time_s'])} at "
-                f"{hw['peak_tflops']:g} TFLOP/s{fp8}; pipeline bubble {seconds(compute['bubble_s'])}; estimated step "
-                f"{seconds(result['step_time_s'])} (no overlap of compute and collectives)")
+                f"{hw['peak_tflops']:g} TFLOP/s{fp8}; pipeline bubble {seconds(compute['bubble_s'])}; step: bound "
+                f"{seconds(result['step_time_s'])} at peak rates (no overlap of compute and collectives)")
+  if result.get("prediction"):
+    out.print(prediction_line(result["prediction"]))
+
+
+def prediction_line(p: dict[str, Any]) -> str:
+  """The step predicted at achieved rates, with its parts."""
+  names = (("compute", "compute_s"), ("memory-bound kernels", "memory_bound_s"), ("launches", "launch_s"),
+           ("bubble", "bubble_s"), ("exposed expert exchange", "exposed_exchange_s"),
+           ("exposed gradient reductions", "exposed_reductions_s"), ("other exposed collectives", "exposed_other_s"),
+           ("optimiser", "optimizer_s"))
+  parts = ", ".join(f"{name} {seconds(p[key])}" for name, key in names if p[key] > 0)
+  return (f"step predicted at achieved rates ({p['rates']} rates, explore/rates/{p['rates']}.toml; overlap from the "
+          f"{p['overlap']}): {seconds(p['step_s'])} = {parts}; {p['tokens_per_s_per_device']:,.0f} tokens/s per device")
 
 
 def compression_line(g: dict[str, Any]) -> str:
@@ -236,12 +249,13 @@ def print_suggestions(rows: list[dict[str, Any]], out: Console | None = None) ->
   if not rows:
     out.print("[red]no mesh of these devices fits[/red]")
     return
-  table = _table("Layouts that fit, fastest first", "#", "mesh", "microbatches", "remat", "bytes / device",
-                 "time / step", "why it loses to #1")
+  table = _table("Layouts that fit, fastest first (predicted at achieved rates; the bound at peak beside it)", "#",
+                 "mesh", "microbatches", "remat", "bytes / device", "time / step predicted", "time / step bound",
+                 "why it loses to #1")
   for r in rows:
     mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "one device"
     table.add_row(str(r["rank"]), mesh, str(r["microbatches"]), r["remat"], human(r["memory_bytes"]),
-                  seconds(r["step_time_s"]), r["why_not_first"])
+                  seconds(r["predicted_step_s"]), seconds(r["step_time_s"]), r["why_not_first"])
   out.print(table)
   out.print("overrides of #1: " + " ".join(rows[0]["overrides"]))
 

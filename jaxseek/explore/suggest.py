@@ -1,5 +1,5 @@
-"""Choosing a layout: every mesh of N devices that divides the model, ranked by estimated step time
-(`--suggest`), and the smallest change that makes a run fit after it ran out of device memory.
+"""Choosing a layout: every mesh of N devices that divides the model, ranked by predicted step time
+(`--suggest`; the prediction at achieved rates, explore/predict.py, with the bound at peak beside it), and the smallest change that makes a run fit after it ran out of device memory.
 
 For each mesh the settings that fit are searched: remat none, then full; the fewest microbatches that fit
 (and, with pipeline stages, more microbatches while they shorten the bubble). Expert and tensor groups (with
@@ -32,8 +32,9 @@ class Candidate:
   microbatches: int
   remat: str
   memory_bytes: int
-  step_s: float
-  parts: dict[str, float]  # seconds: "compute", "pipeline bubble", "<axis> collectives"
+  step_s: float  # predicted at achieved rates
+  parts: dict[str, float]  # seconds: the prediction's parts ("compute", "pipeline bubble", "exposed expert exchange", ...)
+  bound_s: float = 0.0  # the bound at peak rates, nothing overlapped
 
   def overrides(self) -> list[str]:
     return [f"mesh.{a}={self.sizes[a]}" for a in MESH_AXES] + [f"train.microbatches={self.microbatches}",
@@ -90,16 +91,25 @@ def evaluate(model: Model, sizes: dict[str, int], hw: Hardware, budget: int | No
   return best
 
 
+# the prediction's parts (explore/predict.py) by the names "why it loses" gives them
+PARTS = {"compute": "compute_s", "pipeline bubble": "bubble_s", "memory-bound kernels": "memory_bound_s",
+         "kernel launches": "launch_s", "exposed expert exchange": "exposed_exchange_s",
+         "exposed gradient reductions": "exposed_reductions_s", "other exposed collectives": "exposed_other_s",
+         "optimiser update": "optimizer_s"}
+
+
 def measure(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> Candidate:
+  from jaxseek.explore import predict as predict_lib
+
   memory = memory_lib.memory(model, sizes, platform)
   comm = comm_lib.communication(model, sizes, hw, memory["stage"], platform)
   compute = comm_lib.compute_seconds(model, sizes, hw)
-  parts = {"compute": compute["time_s"], "pipeline bubble": compute["bubble_s"]}
-  for axis, items in comm.items():
-    parts[f"{axis} collectives ({items[0]['link']})"] = sum(c["time_s"] for c in items)
+  prediction = predict_lib.predict(model, sizes, hw, {"compute": compute, "communication": comm,
+                                                      "memory_per_device": memory["bytes"]})
+  parts = {name: prediction[key] for name, key in PARTS.items()}
   t = model.cfg.train
-  return Candidate(dict(sizes), t.microbatches, t.remat, memory["bytes"]["total"],
-                   comm_lib.step_seconds(compute, comm), parts)
+  return Candidate(dict(sizes), t.microbatches, t.remat, memory["bytes"]["total"], prediction["step_s"], parts,
+                   comm_lib.step_seconds(compute, comm))
 
 
 def suggest(model: Model, devices: int, hw: Hardware, top: int = 10, pipeline: bool = False) -> list[dict[str, Any]]:
@@ -108,7 +118,7 @@ def suggest(model: Model, devices: int, hw: Hardware, top: int = 10, pipeline: b
   found.sort(key=lambda c: (c.step_s, c.memory_bytes))
   ranked = found[:top]
   return [{"rank": i + 1, "mesh": c.sizes, "microbatches": c.microbatches, "remat": c.remat,
-           "memory_bytes": c.memory_bytes, "step_time_s": c.step_s, "parts_s": c.parts,
+           "memory_bytes": c.memory_bytes, "step_time_s": c.bound_s, "predicted_step_s": c.step_s, "parts_s": c.parts,
            "overrides": c.overrides(), "why_not_first": loses(c, ranked[0]) if i else ""}
           for i, c in enumerate(ranked)]
 
