@@ -1,7 +1,8 @@
 """Loss curves of the train.fp8 recipes against bfloat16, paired over seeds, beside neutral rows that change
 nothing but rounding: what this benchmark can tell apart.
 
-  python benchmarks/fp8_curves.py --steps 300 --seeds 0 1 2 3 4 5 6 7 --jobs 2 --plot docs/fp8_curves.png
+  python benchmarks/fp8_curves.py --steps 100 --seeds 0 1 2 3 4 5 6 7 --jobs 2 --plot docs/fp8_curves.png \
+      train.batch_size=16
 
 Each run is `python -m jaxseek.train` of configs/tiny-v3-256.yaml (a tiny DeepSeek-V3 at widths DeepSeek's FP8
 tiles divide: MLA, MoE with a shared expert) in bfloat16 on `data.source=python-package:jax`: the byte-level

@@ -197,7 +197,7 @@ def print_overlap(overlap: dict[str, Any], out: Console) -> None:
                   f"{100 * r['hidden_share']:.0f}", f"{100 * r['always_hidden_share']:.0f}",
                   seconds(r["analytic_time_s"]))
   out.print(table)
-  out.print(f"estimated step {seconds(overlap['step_time_s'])} with no overlap; "
+  out.print(f"bound at peak rates: step {seconds(overlap['step_time_s'])} with no overlap; "
             f"{seconds(overlap['step_if_estimate_hidden_s'])} with what the kernels beside each collective hide "
             f"(their FLOPs at peak or bytes at memory bandwidth against the transfer's time), of what runs every "
             f"step; {seconds(overlap['step_if_overlap_hidden_s'])} if every overlapped "
