@@ -20,10 +20,27 @@ from jaxseek.kernels import choice, fp8_gemm, fp8_grouped, gpu
 EXPERT_SCOPE = fp8_gemm.EXPERTS_SCOPE
 
 
+@jax.custom_vjp
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   """silu(gate) ⊙ up in float32 from the GEMMs' outputs, cast back to their dtype, as the FP8 recipes' grouped GEMMs
-  compute it (kernels/fp8_grouped.py): the experts in bfloat16 and in FP8 differ in their GEMMs only."""
-  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+  compute it (kernels/fp8_grouped.py): the experts in bfloat16 and in FP8 differ in their GEMMs only. The backward
+  keeps gate and up in their own dtype and takes the derivative in float32 from them (autodiff would keep their
+  float32 copies: 2.2 GiB more on bench-v3-1b at batch 8 on an H200)."""
+  return _swiglu_fwd(gate, up)[0]
+
+
+def _swiglu_fwd(gate, up):
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype), (gate, up)
+
+
+def _swiglu_bwd(residuals, dy):
+  gate, up = residuals
+  g, u, d = gate.astype(jnp.float32), up.astype(jnp.float32), dy.astype(jnp.float32)
+  sig = jax.nn.sigmoid(g)
+  return (d * u * sig * (1 + g * (1 - sig))).astype(gate.dtype), (d * g * sig).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def ffn_ragged(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
