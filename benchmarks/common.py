@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -70,6 +71,17 @@ def make_config(model: dict[str, Any], batch: int, seq: int, **train: Any) -> co
       "train": {"steps": 1000, "batch_size": batch, "seq_len": seq, "run_dir": "/tmp/jaxseek-bench", **train}})
 
 
+def with_overrides(cfg: config_lib.Config, items: list[str]) -> config_lib.Config:
+  """cfg with `section.key=value` overrides applied (as on jaxseek.train's command line)."""
+  if not items:
+    return cfg
+  raw = config_lib.to_dict(cfg)
+  for item in items:
+    section, key, value = config_lib.parse_override(item)
+    raw[section][key] = value
+  return config_lib.from_dict(raw)
+
+
 def token_batch(tokens: np.ndarray, mesh) -> dict[str, jax.Array]:
   """inputs tokens[:, :-1] → targets tokens[:, 1:], one document per row, placed as the trainer expects."""
   b, t = tokens.shape[0], tokens.shape[1] - 1
@@ -80,11 +92,11 @@ def token_batch(tokens: np.ndarray, mesh) -> dict[str, jax.Array]:
 
 
 class StepTimer:
-  """jaxseek's jitted train step on one device: compile time, then timed steps (each waits for its loss)."""
+  """jaxseek's jitted train step on the config's mesh (one device unless it says otherwise): compile time, then timed steps (each waits for its loss)."""
 
   def __init__(self, cfg: config_lib.Config, state=None, tokens: np.ndarray | None = None):
     self.cfg = cfg
-    self.mesh = make_mesh(cfg, jax.devices()[:1])
+    self.mesh = make_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.sizes().values())])
     self.trainer = step_lib.make_trainer(cfg, self.mesh)
     self.state = self.trainer.init() if state is None else state(self.trainer)
     if tokens is None:

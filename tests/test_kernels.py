@@ -275,6 +275,28 @@ def test_chunked_loss_equals_full_logits(monkeypatch, dtype):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_chunk_loss_keeps_the_softmax_and_equals_the_chunked_loss_bit_for_bit(dtype):
+  """On CPU a batch whose logits are one chunk keeps softmax − one-hot from the forward (no second logits matmul in
+  the backward): value and both gradients equal the chunked scan's bit for bit, with a loss mask that weighs
+  tokens (not only 0 and 1), at a gradient scale other than 1, in float32 and bfloat16."""
+  ks = jax.random.split(jax.random.key(3), 4)
+  h = jax.random.normal(ks[0], (3, 16, 8)).astype(dtype)
+  head = (jax.random.normal(ks[1], (8, 37)) * 0.5).astype(dtype)
+  targets = jax.random.randint(ks[2], (1, 3, 16), 0, 37)
+  mask = jax.random.uniform(ks[3], (1, 3, 16)) * (jnp.arange(16) < 11)
+  assert loss_lib.chunk_count(3, 16, 37) == 1
+  one = lambda h, head: 1.7 * loss_lib._one_chunk_ce(h, head, targets[0], mask[0])
+  scan = lambda h, head: 1.7 * loss_lib._chunked_ce(h[None], head, targets, mask)
+  np.testing.assert_array_equal(one(h, head), scan(h, head))
+  np.testing.assert_array_equal(one(h, head), 1.7 * loss_lib.cross_entropy_sum(h, head, targets[0], mask[0]))
+  for a, b in zip(jax.grad(one, argnums=(0, 1))(h, head), jax.grad(scan, argnums=(0, 1))(h, head)):
+    assert a.dtype == b.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  dots = lambda f: str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(h, head)).count("dot_general")
+  assert dots(one) == 3 and dots(scan) == 4  # logits, the two gradients; the scan's backward computes logits again
+
+
 @pytest.mark.parametrize("name", ["tiny-v3", "tiny-dense"])  # MLA, grouped-query attention
 def test_train_step_memory_grows_linearly_with_length(name):
   """The compiled CPU step's temporaries at length 8192 are at most 2.5× those at 4096 (dense attention: 4×)."""

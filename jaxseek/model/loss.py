@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxseek.kernels.gpu import platform
 from jaxseek.sharding import rules
 
 CHUNK_ELEMENTS = 2**26  # float32 logits per chunk and device: 256 MiB
@@ -28,8 +29,16 @@ def cross_entropy_sum(h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Arra
     logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, head_DV, preferred_element_type=jnp.float32)
     logits_BTV = rules.shard(logits_BTV, ("batch", "length", "vocab"))
     return ((jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit(logits_BTV, targets_BT)) * mask_BT).sum()
+  with jax.named_scope("loss_head"):  # names it in HLO and profiles (benchmarks/profile_step.py)
+    return _chunked_loss(h_BTD, head_DV, targets_BT, mask_BT)
+
+
+def _chunked_loss(h_BTD, head_DV, targets_BT, mask_BT):
   to_chunks = _splitter(h_BTD, head_DV)
-  return _chunked_ce(to_chunks(h_BTD), head_DV, to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32)))
+  h_nBcD, targets_nBc, mask_nBc = to_chunks(h_BTD), to_chunks(targets_BT), to_chunks(mask_BT.astype(jnp.float32))
+  if h_nBcD.shape[0] == 1 and platform() == "cpu":
+    return _one_chunk_ce(h_nBcD[0], head_DV, targets_nBc[0], mask_nBc[0])
+  return _chunked_ce(h_nBcD, head_DV, targets_nBc, mask_nBc)
 
 
 def greedy_tokens(h_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
@@ -111,4 +120,32 @@ def _chunked_bwd(residuals, g):
 
 
 _chunked_ce.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+@jax.custom_vjp
+def _one_chunk_ce(h_BcD, head_DV, targets_Bc, mask_Bc):
+  """`_chunked_ce` of a batch that is one chunk, on CPU: the forward keeps softmax − one-hot (float32, at most
+  CHUNK_ELEMENTS) for the backward instead of the backward computing the logits again. The same operations in the
+  same order as `_chunked_ce`: equal to it bit for bit."""
+  return _one_chunk_fwd(h_BcD, head_DV, targets_Bc, mask_Bc)[0]
+
+
+def _one_chunk_fwd(h_BcD, head_DV, targets_Bc, mask_Bc):
+  logits_BcV = _chunk_logits(h_BcD, head_DV)
+  lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
+  total = jnp.zeros((), jnp.float32) + ((lse_Bc - target_logit(logits_BcV, targets_Bc)) * mask_Bc).sum()
+  onehot_BcV = jnp.arange(head_DV.shape[1])[None, None, :] == targets_Bc[..., None]
+  return total, (h_BcD, head_DV, mask_Bc, jnp.exp(logits_BcV - lse_Bc[..., None]) - onehot_BcV)
+
+
+def _one_chunk_bwd(residuals, g):
+  h_BcD, head_DV, mask_Bc, delta_BcV = residuals
+  dlogits_BcV = (delta_BcV * (mask_Bc * g)[..., None]).astype(h_BcD.dtype)
+  dh_BcD = jnp.einsum("BcV,DV->BcD", dlogits_BcV, head_DV, preferred_element_type=jnp.float32)
+  dhead_DV = jnp.zeros(head_DV.shape, jnp.float32) + jnp.einsum("BcD,BcV->DV", h_BcD, dlogits_BcV,
+                                                                preferred_element_type=jnp.float32)
+  return dh_BcD.astype(h_BcD.dtype), dhead_DV.astype(head_DV.dtype), None, None
+
+
+_one_chunk_ce.defvjp(_one_chunk_fwd, _one_chunk_bwd)
 
