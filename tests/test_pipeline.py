@@ -226,20 +226,42 @@ def test_compiled_step_passes_activations_with_collective_permute():
   assert count(flat) == 0
 
 
-def test_the_v_moves_activations_and_cotangents_in_one_ppermute_a_direction():
-  """ZB-V's tick sends by two collective-permutes, down the V and up it, each carrying the forward's output and
-  the input's cotangent stacked, inside a conditional that runs it only in the ticks the table sends by it (its
-  share of the ticks on it for the HLO's readers). It ran four, one per kind and direction, in every tick."""
+@functools.lru_cache(maxsize=None)
+def zbv_step_text():
+  """The compiled text of a ZB-V step (tiny-dense, 8 layers, pipeline 4 × data 2, 8 microbatches), with its
+  config."""
   cfg = load_config("tiny-dense", "mesh.pipeline=4", "mesh.data=2", *ZBV, "train.microbatches=8",
                     "model.num_hidden_layers=8")
   mesh = make_mesh(cfg)
   trainer = step_lib.make_trainer(cfg, mesh)
   with jax.set_mesh(mesh):
-    text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, next(global_batches(
-        cfg, mesh))).compile().as_text()
+    return step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, next(global_batches(
+        cfg, mesh))).compile().as_text(), cfg
+
+
+def test_the_v_moves_activations_and_cotangents_in_one_ppermute_a_direction():
+  """ZB-V's tick sends by two collective-permutes, down the V and up it, each carrying the forward's output and
+  the input's cotangent stacked, inside a conditional that runs it only in the ticks the table sends by it (its
+  share of the ticks on it for the HLO's readers). It ran four, one per kind and direction, in every tick."""
+  text, cfg = zbv_step_text()
   x = f"{cfg.train.batch_size // cfg.train.microbatches // 2},{cfg.train.seq_len},{cfg.model.hidden_size}]"
   permutes = [line for line in text.splitlines() if re.search(r"\bcollective-permute(-start)?\(", line) and x in line]
   assert len(permutes) == 2 and all(f"f32[2,{x}" in line and "jaxseek_share" in line for line in permutes), permutes
+
+
+def test_the_tick_loop_copies_no_slot_buffer():
+  """The tick writes what the last one received into the stage-input and cotangent slots before it reads any:
+  when the sends wrote them after the tick's reads, nothing ordered the backward's read before the write, and
+  XLA copied the whole stage-input buffer (9 slots of ZB-V's at S = 4) twice in every tick."""
+  text, cfg = zbv_step_text()
+  table = tables.for_config(cfg, 4, 2)
+  loop = re.search(rf"body=%?([\w.\-]+)[^\n]*known_trip_count\":{{\"n\":\"{table.ticks}\"", text)
+  body = text[text.index(f"%{loop.group(1)} "):]
+  body = body[:body.index("\n}\n")]
+  x = f"{cfg.train.batch_size // cfg.train.microbatches // 2},{cfg.train.seq_len},{cfg.model.hidden_size}]"
+  buffers = {f"f32[{n},{x}" for n in (table.slots, table.grad_slots)}
+  copies = [line for line in body.splitlines() if " copy(" in line and any(b in line.split("=")[1] for b in buffers)]
+  assert table.slots == 9 and not copies, copies
 
 
 def test_circular_storage_order_and_bubble():

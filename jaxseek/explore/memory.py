@@ -313,7 +313,8 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
         from jaxseek.pipeline import tables
 
         table = tables.for_config(cfg, S, R)
-        kept = (table.slots + table.grad_slots) * stage_input(cfg, B // M, platform).bytes(inner)
+        received = sum(len(route.kinds) for route in table.routes())  # a tick's receipts, stored by the next
+        kept = (table.slots + table.grad_slots + received) * stage_input(cfg, B // M, platform).bytes(inner)
         runs.append((chunk, moe, B // M, inner))
         if table.stash_slots:  # zero-bubble: what W reads (the layers' matmul inputs and output cotangents), kept
           runs.append((table.stash_slots * chunk, moe, B // M, inner))  # from b to W, as a backward keeps them

@@ -63,7 +63,7 @@ def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, bat
     stage = _Stage(table, parts, sp, sc, rp, batch_M, side_M, aux_cotangent=aux_cotangent, per_row=per_row,
                    unsplit=unsplit, pair=pair)
     carry, _ = jax.lax.scan(stage.tick, stage.init(), jnp.arange(table.ticks))
-    _, _, _, g_sp, g_rp, stats, aux_acc = carry
+    _, _, _, _, g_sp, g_rp, stats, aux_acc = carry
     shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
     rows = lambda tree: jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), tree)  # [R, C] → rows
     return rows(g_sp), shared(stage.layout.tree(g_rp, stage.s)), shared(stats), rows(aux_acc)
@@ -94,8 +94,9 @@ def _add(acc: jax.Array, i, value: jax.Array) -> jax.Array:
 
 class _Stage:
   """What one stage runs inside `run`'s shard_map (its own parameters and the whole batch's microbatches): the
-  tick of the schedule and its parts. The scan's carry is (stage-input buffer, cotangent buffer, stash buffers,
-  chunk gradients [R, C, ...], gradients of the rest of the model, loss stats, aux [R, C, ...])."""
+  tick of the schedule and its parts. The scan's carry is (stage-input buffer, cotangent buffer, what the last
+  tick received, stash buffers, chunk gradients [R, C, ...], gradients of the rest of the model, loss stats,
+  aux [R, C, ...])."""
 
   def __init__(self, table: Table, parts: Parts, sp, sc, rp, batch_M, side_M, *, aux_cotangent, per_row,
                unsplit=None, pair=False):
@@ -108,7 +109,8 @@ class _Stage:
     # a dozen ops a tick of their own
     names = sorted(table.steps)
     columns = np.stack([table.steps[k] for k in names], axis=-1)
-    self.entries = jnp.asarray(np.concatenate([np.maximum(columns, 0), columns >= 0], axis=-1).astype(np.int32))
+    now = np.concatenate([np.maximum(columns, 0), columns >= 0], axis=-1).astype(np.int32)
+    self.entries = jnp.asarray(np.concatenate([now, np.concatenate([np.zeros_like(now[:1]), now[:-1]])], axis=-1))
     self.column = {k: i for i, k in enumerate(names)}
     self.virtual = jnp.asarray(table.virtual)
     self.routes = table.routes()
@@ -273,24 +275,31 @@ class _Stage:
 
   def lookup(self, t) -> tuple[Callable, Callable]:
     """Stage s's entries of the table at tick t: (at, has), at(k) the entry of column k (0 where unset) and
-    has(k) whether it is set."""
+    has(k) whether it is set; at(k, True) and has(k, True) those of tick t − 1 (unset at t = 0)."""
     row, K = self.entries[t, self.s], len(self.column)
-    return (lambda k: row[self.column[k]]), (lambda k: row[K + self.column[k]] > 0)
+    return (lambda k, before=False: row[2 * K * before + self.column[k]]), \
+        (lambda k, before=False: row[2 * K * before + K + self.column[k]] > 0)
 
-  def send(self, y: jax.Array, g_x: jax.Array, buf: jax.Array, grads: jax.Array, lookup, t):
-    """(buf, grads) with the tick's forward output y and input cotangent g_x stored where the table puts them on
-    the stages that receive them. One ppermute a route (Table.routes), carrying y and g_x together where both go
-    by it, and only in the ticks in which some stage receives by it: each ppermute is a rendezvous of every
-    stage, and on CPU, where simulated devices share the cores, ZB-V at S = 4, M = 16 ran 300 a step (one per
-    kind and offset in each of its 75 ticks; 1F1B 44), now 134 (1F1B 36)."""
-    sent, kept, (at, has) = {"f": y, "b": g_x}, {"f": buf, "b": grads}, lookup
-    for route in self.routes:
-      values = [sent[k] for k in route.kinds]
-      if route.offset:
-        values = list(self._permute(route, jnp.stack(values), t))
-      for kind, value in zip(route.kinds, values):
+  def send(self, y: jax.Array, g_x: jax.Array, t) -> list:
+    """The tick's forward output y and input cotangent g_x moved to the stages that receive them: per route
+    (Table.routes), what it delivers ([kinds, ...]), which the next tick stores first (`store`). One ppermute a
+    route, carrying y and g_x together where both go by it, and only in the ticks in which some stage receives by
+    it: each ppermute is a rendezvous of every stage, and on CPU, where simulated devices share the cores, ZB-V at
+    S = 4, M = 16 ran 300 a step (one per kind and offset in each of its 75 ticks; 1F1B 44), now 134 (1F1B 36)."""
+    sent = {"f": y, "b": g_x}
+    return [self._permute(route, jnp.stack([sent[k] for k in route.kinds]), t) if route.offset else
+            [sent[k] for k in route.kinds] for route in self.routes]
+
+  def store(self, buf: jax.Array, grads: jax.Array, inbox: list, lookup) -> tuple[jax.Array, jax.Array]:
+    """(buf, grads) with what the previous tick received (`send`) in the slots the table puts it in. Stored at
+    the start of the tick that reads the slots, not at the end of the one that received them: there a write
+    followed the tick's reads with no data dependence on the backward's read, and XLA copied the whole buffer
+    twice a tick to keep them apart (ZB-V's 9 stage-input slots at S = 4)."""
+    kept, (at, has) = {"f": buf, "b": grads}, lookup
+    for route, payload in zip(self.routes, inbox):
+      for i, kind in enumerate(route.kinds):
         column = f"{kind}_in{route.offset}"
-        kept[kind] = _put(kept[kind], at(column), value, has(column))
+        kept[kind] = _put(kept[kind], at(column, True), payload[i], has(column, True))
     return kept["f"], kept["b"]
 
   def _permute(self, route, payload: jax.Array, t) -> jax.Array:
@@ -312,16 +321,21 @@ class _Stage:
     stash = jax.tree.map(lambda a: jnp.zeros((table.stash_slots, *a.shape), a.dtype), self.stash_shape)
     residuals = jax.tree.map(lambda a: jnp.zeros((table.residual_slots, *a.shape), a.dtype), self.residual_shape)
     stash = (stash, residuals)
-    return (jnp.zeros((table.slots, *x.shape), x.dtype), jnp.zeros((table.grad_slots, *x.shape), x.dtype), stash,
-            _zeros(self.sp_R), self.layout.init(),
-            _zeros(self.stats_shape), jax.tree.map(lambda a: jnp.zeros((table.repeats, *a.shape), a.dtype), summed))
+    y = jnp.zeros(self.y_shape.shape, self.y_shape.dtype)
+    received = [jnp.stack([y] * len(r.kinds)) if r.offset else [y] * len(r.kinds) for r in self.routes]  # `send`'s
+    return (jnp.zeros((table.slots, *x.shape), x.dtype), jnp.zeros((table.grad_slots, *x.shape), x.dtype), received,
+            stash, _zeros(self.sp_R), self.layout.init(), _zeros(self.stats_shape),
+            jax.tree.map(lambda a: jnp.zeros((table.repeats, *a.shape), a.dtype), summed))
 
   def summed(self, aux):
     return {k: a.sum(-1) if self.rows[k] else a for k, a in aux.items()}
 
   def tick(self, carry, t):
-    """One tick: its work (side by side where the table pairs it, else one op after the other), then the sends."""
+    """One tick: what the last one received stored, its work (side by side where the table pairs it, else one op
+    after the other), then the sends."""
     lookup = self.lookup(t)
+    buf, grads, inbox, *rest = carry
+    carry = (*self.store(buf, grads, inbox, lookup), *rest)
     if self.pairs is None:
       carry, y, g_xb = self.serial(carry, lookup)
     else:
@@ -337,54 +351,53 @@ class _Stage:
 
       carry, y, g_xb = jax.lax.cond(self.pairs[t, self.s], paired, serial, carry)
     buf, grads, *rest = carry
-    buf, grads = self.send(y, g_xb, buf, grads, lookup, t)
-    return (buf, grads, *rest), None
+    return (buf, grads, self.send(y, g_xb, t), *rest), None
 
   def serial(self, carry, lookup):
     """A tick's work one op after the other: the forward, the loss where a microbatch leaves the last virtual
     stage, the backward (b in a split table, its stash kept), W (split tables). (carry, forward output, the
     backward's input cotangent) for the sends."""
     buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc = carry
+    # each entry is read in the branch that uses it: one read outside them is an op in every tick
     at, has = lookup
-    fm, fr, fs, bm, br, bs, bg, lg = (at(k) for k in (
-        "f_micro", "f_chunk", "f_slot", "b_micro", "b_chunk", "b_slot", "b_grad", "loss_grad"))
     has_f, has_b, has_loss = has("f_micro"), has("b_micro"), has("loss_grad")
-    fres, bres = (at(k) for k in ("f_residual", "b_residual")) if self.keep else (0, 0)
     if self.keep:  # F keeps its residuals (in place, in the branch that runs) for b
       def run_f(kept):
-        g_sp, res = kept
-        y, aux, new, early = self.forward_kept(_at(buf, fs), fr, fm)
-        res = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, fres, 0), res, new)
+        (g_sp, res), fr = kept, at("f_chunk")
+        y, aux, new, early = self.forward_kept(_at(buf, at("f_slot")), fr, at("f_micro"))
+        res = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, at("f_residual"), 0), res, new)
         return (y, aux), self._accumulate(g_sp, fr, self.f_leaves, early), res
 
       (y, aux), g_sp, res = jax.lax.cond(has_f, run_f, lambda kept: (_zeros((self.y_shape, self.aux_shape)), *kept),
                                          (g_sp, res))
     else:
-      y, aux = jax.lax.cond(has_f, lambda: self.forward(_at(buf, fs), fr, fm),
+      y, aux = jax.lax.cond(has_f, lambda: self.forward(_at(buf, at("f_slot")), at("f_chunk"), at("f_micro")),
                             lambda: _zeros((self.y_shape, self.aux_shape)))
-    aux_acc = jax.tree.map(lambda acc, a: _add(acc, fr, jnp.where(has_f, a, jnp.zeros((), a.dtype))), aux_acc,
-                           self.summed(aux))
+    aux_acc = jax.tree.map(lambda acc, a: _add(acc, at("f_chunk"), jnp.where(has_f, a, jnp.zeros((), a.dtype))),
+                           aux_acc, self.summed(aux))
     # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
-    g_y, g_rp, stats_m = jax.lax.cond(has_loss, lambda g: self.post_grad(y, fm, g),
+    g_y, g_rp, stats_m = jax.lax.cond(has_loss, lambda g: self.post_grad(y, at("f_micro"), g),
                                       lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
-    grads = _put(grads, lg, g_y, has_loss)
+    grads = _put(grads, at("loss_grad"), g_y, has_loss)
     stats = jax.tree.map(jnp.add, stats, stats_m)
     # the gradients accumulate, and the stash is written and read, inside the branches that run (in place): a
     # tick without a backward or a W touches none of them
-    bst, wm, wr, wst = (at(k) for k in ("b_stash", "w_micro", "w_chunk", "w_stash")) if self.table.split else (0,) * 4
 
     def run_b(kept):
-      g_sp, g_rp, stash = kept
-      g_x, g_early, g_rp, new = self.backward(_at(buf, bs), br, bm, _at(grads, bg), g_rp,
-                                              _at(res, bres) if self.keep else None)
-      stash = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, bst, 0), stash, new)
+      (g_sp, g_rp, stash), br = kept, at("b_chunk")
+      g_x, g_early, g_rp, new = self.backward(_at(buf, at("b_slot")), br, at("b_micro"), _at(grads, at("b_grad")),
+                                              g_rp, _at(res, at("b_residual")) if self.keep else None)
+      stash = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, at("b_stash"), 0), stash, new)
       return g_x, self._accumulate(g_sp, br, self.b_leaves, g_early), g_rp, stash
 
     g_xb, g_sp, g_rp, stash = jax.lax.cond(has_b, run_b, lambda kept: (_zeros(self.y_shape), *kept),
                                            (g_sp, g_rp, stash))
     if self.table.split:  # the W of this tick, from its stash
-      g_sp = jax.lax.cond(has("w_micro"), lambda g: self._accumulate(g, wr, self.w_leaves,
-                                                            self.weights(_at(stash, wst), wr, wm)), lambda g: g, g_sp)
+      def run_w(g):
+        wr = at("w_chunk")
+        return self._accumulate(g, wr, self.w_leaves, self.weights(_at(stash, at("w_stash")), wr, at("w_micro")))
+
+      g_sp = jax.lax.cond(has("w_micro"), run_w, lambda g: g, g_sp)
     return (buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc), y, g_xb
 
   def paired(self, carry, lookup):
