@@ -607,10 +607,10 @@ def on_node_mesh(fn, args, cotangent=None):
   return jax.device_get(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, *w))
 
 
-def two_stage_fn(rows, fp8=False):
+def two_stage_fn(rows, fp8=False, node_rows=None, exchange=grouped_ragged_all_to_all):
   return lambda x, idx, w, *ws: (lambda y, extra: (y, jax.lax.psum(extra, EXPERT_AXES)))(*experts.experts_two_stage(
       x, idx, w, tuple(ws), EXPERT_AXES, NODE_SHARDS, NODE, rows, matmul="blocked", fp8_dispatch=fp8,
-      exchange=grouped_ragged_all_to_all))
+      exchange=exchange, node_rows=node_rows))
 
 
 def one_stage_fn(fp8=False):
@@ -635,6 +635,34 @@ def test_two_stage_dispatch_equals_the_per_copy_reference_in_values_and_gradient
   assert float(extra) > 0, extra  # 96 copies for expert 0's device against R = 72 (or 18) rows
   cotangent = np.random.default_rng(2).normal(size=y.shape).astype(np.float32)
   for a, b in zip(on_node_mesh(two_stage_fn(rows), args, cotangent), on_node_mesh(one_stage_fn(), args, cotangent)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("node_rows", [5, 12])
+def test_two_stage_first_stage_receives_in_rounds_of_its_buffer(node_rows):
+  """Stage 1 with a receive buffer of `node_rows` rows instead of N·X = 24: every token reaches node 0, so each
+  device there receives 24 rows and takes ⌈24 / node_rows⌉ rounds (5 or 2), each fanned out within the node.
+  The exchange across nodes receives into `node_rows` rows (and returns into the 24 sent); the output equals
+  Σ_k w·SwiGLU_k(x) per copy (float64 NumPy), the gradients the one-stage dispatch's, and the copies of the
+  further rounds count as sent after the first."""
+  x, idx, weights, *w = args = two_stage_inputs()
+  rows = receive_rows(X, 3, NODE_SHARDS, capacity(X, 3, NODE_SHARDS, 2, None), 2.0)
+  sizes = set()
+
+  def recorded(operand, output, *rest, **kw):
+    if len(kw["axis_index_groups"][0]) == NODE_SHARDS // NODE:  # the groups that span the nodes
+      sizes.add((operand.shape[0], output.shape[0]))
+    return grouped_ragged_all_to_all(operand, output, *rest, **kw)
+
+  y, extra = on_node_mesh(two_stage_fn(rows, node_rows=node_rows, exchange=recorded), args)
+  assert {min(a, b) for a, b in sizes} == {node_rows} and {max(a, b) for a, b in sizes} == {2 * X}, sizes
+  y_ref = sum(weights[:, k, None] * numpy_swiglu(x, idx[:, k], *w) for k in range(3))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  _, extra_one_round = on_node_mesh(two_stage_fn(rows), args)
+  assert float(extra) > float(extra_one_round), (extra, extra_one_round)
+  cotangent = np.random.default_rng(3).normal(size=y.shape).astype(np.float32)
+  for a, b in zip(on_node_mesh(two_stage_fn(rows, node_rows=node_rows), args, cotangent),
+                  on_node_mesh(one_stage_fn(), args, cotangent)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -689,11 +717,12 @@ def test_two_stage_sends_at_most_the_nodes_a_token_reaches():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch, chunks):
+@pytest.mark.parametrize("chunks, factor", [(1, 2.0), (2, 2.0), (1, 0.5)])
+def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch, chunks, factor):
   """Five training steps of tiny-v3 (group-limited routing: a token's experts lie in at most 2 of the 4 groups) on
   expert=8 as 2 nodes × 4 (mesh.devices_per_node=4), model.moe_dispatch=two_stage with the exchanges emulated,
-  also with each device's tokens in 2 chunks (model.moe_overlap_chunks=2, how DeepSeek-V3's layout fits):
+  also with each device's tokens in 2 chunks (model.moe_overlap_chunks=2, how DeepSeek-V3's layout fits), and
+  with receive buffers of half the average rows (model.moe_recv_factor=0.5: both stages take further rounds):
   losses, gradient norms and correction biases are the single-device run's; the start-up line names it."""
   monkeypatch.setattr(experts.choice, "dispatch_kind", lambda setting, where=None: setting)
   monkeypatch.setattr(experts, "experts_two_stage", functools.partial(
@@ -703,7 +732,8 @@ def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatc
   monkeypatch.setattr(experts, "experts_two_stage", lambda *a, **k: calls.append((*a[5:7], a[0].shape[0])) or
                       real(*a, **k))
   cfg = load_config("tiny-v3", MOE_ONLY, "mesh.data=-1", "mesh.expert=8", "mesh.devices_per_node=4",
-                    "model.moe_dispatch=two_stage", f"model.moe_overlap_chunks={chunks}")
+                    "model.moe_dispatch=two_stage", f"model.moe_overlap_chunks={chunks}",
+                    f"model.moe_recv_factor={factor}")
   mesh = make_mesh(cfg)
   assert experts.node_shards(mesh, 4) == 4
   assert "two-stage (node-limited) over expert=8 as 2 nodes × 4" in experts.dispatch_summary(

@@ -100,6 +100,12 @@ class Settings:
     bound = group_reach(*self.groups, shards, self.node)[1] if self.groups else nodes
     return max(1, min(nodes, k, bound))
 
+  def node_rows(self, tokens: int, shards: int, reach: int) -> int:
+    """The first stage's receive rows a round in the two-stage exchange: model.moe_recv_factor times the rows a
+    device receives when each of `tokens` tokens reaches `reach` nodes, at most all that can arrive (one row per
+    token from each of the nodes' devices at its local rank)."""
+    return receive_rows(tokens, reach, shards // self.node, tokens, self.recv_factor)
+
   def chunk_count(self, tokens: int) -> int:
     """How many independent exchanges a shard's `tokens` go through: model.moe_overlap_chunks, only for dropless
     dispatch (a capacity applies per exchange: chunks would drop other copies) and at most one per token."""
@@ -176,10 +182,10 @@ def exchanged(x_xD, idx_xK, weights_xK, w_eDm: tuple, valid_x: jax.Array, settin
   none = jnp.zeros((), jnp.float32)
   axes, valid_X = rules.split_axes("experts"), valid_x > 0
   if settings.two_stage(shards):
-    rows = receive_rows(x, K, shards, cap, settings.recv_factor)
+    rows, reach = receive_rows(x, K, shards, cap, settings.recv_factor), settings.nodes_reached(shards, K)
     y_xD, extra = experts_two_stage(x_xD, idx_xK, weights_xK, w_eDm, axes, shards, settings.node, rows,
                                     matmul=settings.ffn, fp8_dispatch=settings.fp8_dispatch, valid_X=valid_X,
-                                    reach=settings.nodes_reached(shards, K))
+                                    reach=reach, node_rows=settings.node_rows(x, shards, reach))
     return y_xD, none, extra
   if ragged and shards > 1:
     rows = receive_rows(x, K, shards, cap, settings.recv_factor)
@@ -350,18 +356,21 @@ class _Chunk(NamedTuple):
 def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, ...], shards: int, node: int,
                       rows: int, *, matmul: str = "auto", fp8_dispatch: bool = False,
                       exchange: Callable = jax.lax.ragged_all_to_all, valid_X: jax.Array | None = None,
-                      reach: int | None = None) -> tuple[jax.Array, jax.Array]:
+                      reach: int | None = None, node_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
   """Node-limited dispatch on an expert axis of `shards` devices, `node` per node. Stage 1 (across nodes):
   each token's hidden state goes once to every node holding one of its experts, to the device of this device's
   local rank there, with its expert ids and gate weights on that node (`ragged_all_to_all` among the devices of
-  one local rank; at most one row per token and node, so N·X receive rows hold any routing). A device sends
-  at most `reach`·X rows (`reach`: the most nodes one token's experts lie on, which the routing guarantees;
-  None: N), so its send and return buffers hold that many. Stage 2 (within
-  the node): `experts_parallel_ragged` over the node's devices, which runs the experts and sums each row's
-  weighted expert outputs there. The sums come back by stage 1's reverse, one row per token and node, and are
-  added. With `fp8_dispatch` both stages send the tokens as e4m3 (the second rounding is exact: the same tiles
-  and scales), the combine comes back in the compute dtype. Returns the (partial, if m < M) output [X, D] and
-  the copies sent in extra rounds of stage 2 [] (nothing is dropped)."""
+  one local rank; at most one row per token and node, so N·X rows hold any routing). A device sends at most
+  `reach`·X rows (`reach`: the most nodes one token's experts lie on, which the routing guarantees; None: N), so
+  its send and return buffers hold that many. It receives in rounds of `node_rows` rows (None: N·X, one round):
+  where its senders' rows exceed them, further rounds carry the rest (run only where some device of the axis
+  needs them, recomputed in the backward), so the buffer follows the rows a device expects, not all that could
+  arrive. Stage 2 (within the node, on each round's rows): `experts_parallel_ragged` over the node's devices,
+  which runs the experts and sums each row's weighted expert outputs there. The sums come back by stage 1's
+  reverse, one row per token and node, and are added. With `fp8_dispatch` both stages send the tokens as e4m3
+  (the second rounding is exact: the same tiles and scales), the combine comes back in the compute dtype.
+  Returns the (partial, if m < M) output [X, D] and the copies sent after the first round of either stage []
+  (nothing is dropped)."""
   X, K = idx_XK.shape
   e, N = w_eDm[0].shape[0], shards // node
   within, across = node_groups(shards, node)
@@ -370,33 +379,47 @@ def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, .
               ).any(1)
   key_S = jnp.where(reach_XN.T, jnp.arange(N)[:, None], N).reshape(-1)  # slot n·X + t: token t for node n
   S = min(N, reach or N) * X  # what one device can send: the slots sorted by node hold every sent row first
+  R = N * X if node_rows is None else max(1, min(node_rows, N * X))
   order_S = jnp.argsort(key_S, stable=True)[:S]
   count_NN = jax.lax.all_gather(jnp.bincount(key_S, length=N + 1)[:N].astype(jnp.int32), axes,
                                 axis_index_groups=across)
-  plan = ragged_plan(count_NN, rank_in_group(axes, across), N * X)
+  me, sent_S = rank_in_group(axes, across), (key_S[order_S] < N)[:, None]
   token_S, node_S = order_S % X, order_S // X
   local_SK = idx_XK[token_S] - node_S[:, None] * e * node  # expert ids within the receiving node
-  mine_SK = (node_XK[token_S] == node_S[:, None]) & (key_S[order_S] < N)[:, None]
+  mine_SK = (node_XK[token_S] == node_S[:, None]) & sent_S
   meta_SK2 = jnp.concatenate([jax.lax.stop_gradient(jnp.where(mine_SK, local_SK, -1).astype(jnp.float32)),
                               jnp.where(mine_SK, weights_XK[token_S], 0).astype(jnp.float32)], axis=1)
+  x_SD = x_XD[token_S]
 
   def send(a, plan):
-    return exchange(a, zero_rows(a, N * X), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
+    return exchange(a, zero_rows(a, R), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
                     plan.recv_sizes_E, axis_name=axes, axis_index_groups=across)
 
   def back(a, plan):
     return exchange(a, zero_rows(a, S), plan.recv_offsets_E, plan.recv_sizes_E, plan.back_offsets_E,
                     plan.send_sizes_E, axis_name=axes, axis_index_groups=across)
 
-  recv_RD = dispatch(send, back, x_XD[token_S], plan, fp8_out=fp8_dispatch)
-  meta_RK2 = dispatch(send, back, meta_SK2, plan)
-  ids_RK = jax.lax.stop_gradient(meta_RK2[:, :K]).astype(jnp.int32)
-  valid_RK = ids_RK >= 0  # rows past what arrived hold zeros: id 0, weight 0, and are left out here
-  valid_RK = valid_RK & (jnp.arange(N * X) < plan.group_sizes_e.sum())[:, None]
-  y_RD, extra = _within_node(recv_RD, jnp.where(valid_RK, ids_RK, 0), meta_RK2[:, K:], valid_RK, w_eDm, axes,
-                             node, rows, within, matmul=matmul, fp8_dispatch=fp8_dispatch, exchange=exchange)
-  back_SD = dispatch(back, send, y_RD, plan)  # one row per token and node, in the compute dtype
-  y_XD = jnp.zeros_like(x_XD).at[token_S].add(jnp.where((key_S[order_S] < N)[:, None], back_SD, 0))
+  def one_round(r):
+    plan = ragged_plan(count_NN, me, R, r * R)
+    recv_RD = dispatch(send, back, x_SD, plan, fp8_out=fp8_dispatch)
+    meta_RK2 = dispatch(send, back, meta_SK2, plan)
+    ids_RK = jax.lax.stop_gradient(meta_RK2[:, :K]).astype(jnp.int32)
+    valid_RK = ids_RK >= 0  # rows past what arrived hold zeros: id 0, weight 0, and are left out here
+    valid_RK = valid_RK & (jnp.arange(R) < plan.group_sizes_e.sum())[:, None]
+    y_RD, extra = _within_node(recv_RD, jnp.where(valid_RK, ids_RK, 0), meta_RK2[:, K:], valid_RK, w_eDm, axes,
+                               node, rows, within, matmul=matmul, fp8_dispatch=fp8_dispatch, exchange=exchange)
+    later = valid_RK.astype(jnp.float32).sum()  # a further round's copies all go after the first
+    return dispatch(back, send, y_RD, plan), jnp.where(r > 0, later, extra)  # one row per token and node
+
+  back_SD, extra = one_round(0)
+  if R < N * X:  # the rounds the busiest receiver of the whole axis needs: its nodes' devices exchange together
+    rounds = jax.lax.pmax(rounds_needed(count_NN, R), axes)
+    skipped = (zeros_like_round(back_SD, *w_eDm), jnp.zeros((), jnp.float32))
+    later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: skipped, r))
+    with set_xla_metadata(**FURTHER):
+      (back_SD, extra), _ = jax.lax.scan(lambda acc, r: (jax.tree.map(jnp.add, acc, later(r)), None),
+                                         (back_SD, extra), jnp.arange(1, -(-N * X // R)))
+  y_XD = jnp.zeros_like(x_XD).at[token_S].add(jnp.where(sent_S, back_SD, 0))
   return y_XD, extra
 
 
@@ -459,16 +482,17 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
   if choice.dispatch_kind(m.moe_dispatch, where) == "fixed":
     return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
             f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
-  recv = receive_rows(x, K, P, cap, m.moe_recv_factor)
-  chunks = Settings.from_config(m, node).chunk_count(x)
+  recv, settings = receive_rows(x, K, P, cap, m.moe_recv_factor), Settings.from_config(m, node)
+  chunks = settings.chunk_count(x)
   split = (f"; each device's {x} tokens in {chunks} chunks with their own exchanges, so one chunk's dispatch "
            f"and combine can run beside another's expert GEMMs (model.moe_overlap_chunks)") if chunks > 1 else ""
-  if Settings.from_config(m, node).two_stage(P, where):
+  if settings.two_stage(P, where):
+    reach = settings.nodes_reached(P, K)
     return (f"MoE dispatch: two-stage (node-limited) over expert={P} as {P // node} nodes × {node}: each token's "
-            f"row crosses to a node at most once (≤ {min(K, P // node)} rows a token instead of its {K} copies), "
-            f"then fans out within the node into a receive buffer of {recv} rows a round (further rounds past it, "
-            f"none dropped); the node's sums come back one row per token and node; {rows}, results back in "
-            f"{t.compute_dtype}{split}")
+            f"row crosses to a node at most once (≤ {reach} rows a token instead of its {K} copies) into a receive "
+            f"buffer of {settings.node_rows(x, P, reach)} rows a round, then fans out within the node into a "
+            f"receive buffer of {recv} rows a round (further rounds past either, none dropped); the node's sums "
+            f"come back one row per token and node; {rows}, results back in {t.compute_dtype}{split}")
   instead = ""
   if m.moe_dispatch == "two_stage":  # asked for, but there is no second level to fan out in
     spans = f"the expert axis's {P} shards lie within one node" if node is None or node >= P else \
