@@ -278,14 +278,9 @@ def experts_parallel_ragged(x_XD, idx_XK, weights_XK, w_gate_eDm, w_up_eDm, w_do
     return _overlapped_round(parts, count_cPE, me, r, w_eDm, exchange=functools.partial(
         exchange, axis_name=axes, **grouped_kw), matmul=matmul, fp8_dispatch=fp8_dispatch)
 
-  back = one_round(0)
   extra = max(-(-shards * c.cap // c.rows) for c in parts) - 1  # the most further rounds any routing can need
-  if extra > 0:
-    skipped = tuple(zeros_like_round(c.send_JD, *w_eDm) for c in parts)
-    later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: skipped, r))
-    with set_xla_metadata(**FURTHER):
-      back, _ = jax.lax.scan(lambda acc, r: (jax.tree.map(jnp.add, acc, later(r)), None), back,
-                             jnp.arange(1, extra + 1))
+  skipped = tuple(zeros_like_round(c.send_JD, *w_eDm) for c in parts)
+  back = _further_rounds(one_round, one_round(0), rounds, extra, skipped)
   out = [c.combined(back_JD, weights_XK[a:b], ragged_plan(n_PE, me, c.rows))
          for c, back_JD, n_PE, a, b in zip(parts, back, count_cPE, ends[:-1], ends[1:])]
   y, sent, later_sent = zip(*out)
@@ -374,22 +369,11 @@ def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, .
   X, K = idx_XK.shape
   e, N = w_eDm[0].shape[0], shards // node
   within, across = node_groups(shards, node)
-  node_XK = idx_XK // (e * node)
-  reach_XN = (jax.nn.one_hot(node_XK, N, dtype=jnp.bool_) & (True if valid_X is None else valid_X[:, None, None])
-              ).any(1)
-  key_S = jnp.where(reach_XN.T, jnp.arange(N)[:, None], N).reshape(-1)  # slot n·X + t: token t for node n
   S = min(N, reach or N) * X  # what one device can send: the slots sorted by node hold every sent row first
   R = N * X if node_rows is None else max(1, min(node_rows, N * X))
-  order_S = jnp.argsort(key_S, stable=True)[:S]
-  count_NN = jax.lax.all_gather(jnp.bincount(key_S, length=N + 1)[:N].astype(jnp.int32), axes,
-                                axis_index_groups=across)
-  me, sent_S = rank_in_group(axes, across), (key_S[order_S] < N)[:, None]
-  token_S, node_S = order_S % X, order_S // X
-  local_SK = idx_XK[token_S] - node_S[:, None] * e * node  # expert ids within the receiving node
-  mine_SK = (node_XK[token_S] == node_S[:, None]) & sent_S
-  meta_SK2 = jnp.concatenate([jax.lax.stop_gradient(jnp.where(mine_SK, local_SK, -1).astype(jnp.float32)),
-                              jnp.where(mine_SK, weights_XK[token_S], 0).astype(jnp.float32)], axis=1)
-  x_SD = x_XD[token_S]
+  token_S, sent_S, meta_SK2, count_N = _node_sends(idx_XK, weights_XK, valid_X, e * node, N, S)
+  count_NN = jax.lax.all_gather(count_N, axes, axis_index_groups=across)
+  me, x_SD = rank_in_group(axes, across), x_XD[token_S]
 
   def send(a, plan):
     return exchange(a, zero_rows(a, R), plan.send_offsets_E, plan.send_sizes_E, plan.out_offsets_E,
@@ -412,15 +396,44 @@ def experts_two_stage(x_XD, idx_XK, weights_XK, w_eDm: tuple, axes: tuple[str, .
     return dispatch(back, send, y_RD, plan), jnp.where(r > 0, later, extra)  # one row per token and node
 
   back_SD, extra = one_round(0)
-  if R < N * X:  # the rounds the busiest receiver of the whole axis needs: its nodes' devices exchange together
-    rounds = jax.lax.pmax(rounds_needed(count_NN, R), axes)
-    skipped = (zeros_like_round(back_SD, *w_eDm), jnp.zeros((), jnp.float32))
-    later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: skipped, r))
-    with set_xla_metadata(**FURTHER):
-      (back_SD, extra), _ = jax.lax.scan(lambda acc, r: (jax.tree.map(jnp.add, acc, later(r)), None),
-                                         (back_SD, extra), jnp.arange(1, -(-N * X // R)))
+  # the rounds the busiest receiver of the whole axis needs: its node's devices exchange together in stage 2
+  rounds = jax.lax.pmax(rounds_needed(count_NN, R), axes) if R < N * X else 1
+  back_SD, extra = _further_rounds(one_round, (back_SD, extra), rounds, -(-N * X // R) - 1,
+                                  (zeros_like_round(back_SD, *w_eDm), jnp.zeros((), jnp.float32)))
   y_XD = jnp.zeros_like(x_XD).at[token_S].add(jnp.where(sent_S, back_SD, 0))
   return y_XD, extra
+
+
+def _node_sends(idx_XK, weights_XK, valid_X, per_node: int, N: int, S: int):
+  """Stage 1's send side of `experts_two_stage`: slot n·X + t holds token t for node n where one of its experts
+  lies there, sorted by node and cut to the S slots that can be sent. Returns each slot's token [S], whether it
+  is sent [S, 1], its expert ids on that node (−1 elsewhere) and gate weights [S, 2K], and the rows for each
+  node [N] (`per_node`: the experts a node holds)."""
+  X, K = idx_XK.shape
+  node_XK = idx_XK // per_node
+  reach_XN = (jax.nn.one_hot(node_XK, N, dtype=jnp.bool_) & (True if valid_X is None else valid_X[:, None, None])
+              ).any(1)
+  key_S = jnp.where(reach_XN.T, jnp.arange(N)[:, None], N).reshape(-1)
+  order_S = jnp.argsort(key_S, stable=True)[:S]
+  sent_S, token_S, node_S = (key_S[order_S] < N)[:, None], order_S % X, order_S // X
+  mine_SK = (node_XK[token_S] == node_S[:, None]) & sent_S
+  local_SK = idx_XK[token_S] - node_S[:, None] * per_node  # expert ids within the receiving node
+  meta_SK2 = jnp.concatenate([jax.lax.stop_gradient(jnp.where(mine_SK, local_SK, -1).astype(jnp.float32)),
+                              jnp.where(mine_SK, weights_XK[token_S], 0).astype(jnp.float32)], axis=1)
+  return token_S, sent_S, meta_SK2, jnp.bincount(key_S, length=N + 1)[:N].astype(jnp.int32)
+
+
+def _further_rounds(one_round: Callable, first, rounds, last: int, skipped):
+  """`first` (round 0's result) plus one_round(r) for r = 1 … `last`, each run only while r < `rounds` (the same
+  on every device that exchanges together; `skipped` stands for the others) and recomputed in the backward, so
+  memory stays at one round's; their ops carry FURTHER."""
+  if last < 1:
+    return first
+  later = jax.checkpoint(lambda r: jax.lax.cond(r < rounds, one_round, lambda _: skipped, r))
+  with set_xla_metadata(**FURTHER):
+    total, _ = jax.lax.scan(lambda acc, r: (jax.tree.map(jnp.add, acc, later(r)), None), first,
+                            jnp.arange(1, last + 1))
+  return total
 
 
 def _within_node(recv_RD, ids_RK, weights_RK, valid_RK, w_eDm: tuple, axes: tuple[str, ...], node: int,
