@@ -135,7 +135,7 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
   cfg = model.cfg
   if sizes["pipeline"] > 1:
     pipeline_lib.check_stacks(cfg, sizes["pipeline"])
-  memory = memory_lib.memory(model, sizes, platform)
+  memory = memory_lib.memory(model, sizes, platform, hw.devices_per_node)
   comm = comm_lib.communication(model, sizes, hw, memory["stage"], platform)
   compute = comm_lib.compute_seconds(model, sizes, hw)
   usable = int(hw.memory_bytes * hw.usable_fraction)
@@ -163,7 +163,8 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
                    "inter_node_gbps": hw.inter_node_gbps, "devices_per_node": hw.devices_per_node},
       "parameters": _ordered(layout_lib.parameter_rows(model, sizes)),
       "optimizer": _ordered(layout_lib.optimizer_rows(model, sizes)),
-      "activations": memory_lib.activation_rows(cfg, sizes, platform),
+      "activations": memory_lib.activation_rows(cfg, sizes, platform,
+                                                memory_lib.expert_node(sizes, hw.devices_per_node)),
       "memory_per_device": memory["bytes"],
       "memory": {"stage": memory["stage"], "stages": memory["stages"], "layers_on_stage": memory["layers_on_stage"],
                  "fits": memory["bytes"]["total"] <= usable, "platform": platform},

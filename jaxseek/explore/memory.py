@@ -33,7 +33,7 @@ from typing import Any
 from jaxseek.config import MESH_AXES, Config
 from jaxseek.kernels import choice as kernels
 from jaxseek.model import loss as loss_lib
-from jaxseek.sharding import exchange
+from jaxseek.sharding import exchange, experts
 from jaxseek.explore import layout as ex
 from jaxseek.sharding.rules import ACTIVATION_RULES, activation_rules, spec
 
@@ -163,6 +163,11 @@ class Dispatch:
   out_row_bytes: int  # one dispatched row (fixed: with its int32 expert id)
   back_row_bytes: int  # one returned row, compute dtype
   dtype: str  # the dispatch dtype
+  # the two-stage exchange (ragged, the expert axis spanning nodes; 0 otherwise): the rows a device sends across
+  # nodes (reach·x), receives from them a round (R₁) and sends within its node a window (W = min(R₁·K, R))
+  node_sent: int = 0
+  node_received: int = 0
+  window: int = 0
 
 
 FP8_TILE = 128  # channels per float32 scale of a float8 row
@@ -173,8 +178,18 @@ def packed_row_bytes(D: int) -> int:
   return D + -(-D // FP8_TILE) * 4
 
 
-def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> Dispatch:
-  """The exchange of one MoE layer run on `batch` rows (split over the batch axes and context)."""
+def expert_node(sizes: dict[str, int], devices_per_node: int | None) -> int | None:
+  """The expert-axis shards in one node where the axis spans nodes (the axes inside it, context and tensor, fill
+  a node first), else None."""
+  if not devices_per_node:
+    return None
+  g = max(1, min(sizes["expert"], devices_per_node // (sizes["context"] * sizes["tensor"])))
+  return g if sizes["expert"] // g > 1 else None
+
+
+def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str, node: int | None = None) -> Dispatch:
+  """The exchange of one MoE layer run on `batch` rows (split over the batch axes and context); `node`: the
+  expert shards a node holds where the axis spans nodes (`expert_node`)."""
   m, a = cfg.model, activation_itemsize(cfg, platform)
   P, D, K = sizes["expert"], m.hidden_size, m.num_experts_per_tok
   e = -(-m.n_routed_experts // P)
@@ -184,22 +199,32 @@ def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> D
   out_row = packed_row_bytes(D) if dtype.startswith("float8") else D * a
   if kernels.dispatch_kind(m.moe_dispatch, platform) == "fixed" or P == 1:
     return Dispatch("fixed", P, e, x, P * cap, P * cap, out_row + 4, D * a, dtype)
-  return Dispatch("ragged", P, e, x, x * K, exchange.receive_rows(x, K, P, cap, m.moe_recv_factor), out_row, D * a,
-                  dtype)
+  R = exchange.receive_rows(x, K, P, cap, m.moe_recv_factor)
+  settings = experts.Settings.from_config(m, node)
+  if not settings.two_stage(P, platform):
+    return Dispatch("ragged", P, e, x, x * K, R, out_row, D * a, dtype)
+  reach, N = settings.nodes_reached(P, K), P // node
+  R1 = max(1, min(settings.node_rows(x, P, reach), N * x))  # sharding/experts.py experts_two_stage
+  return Dispatch("ragged", P, e, x, x * K, R, out_row, D * a, dtype, min(N, reach) * x, R1, min(R1 * K, R))
 
 
-def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: str) -> list[Tensor]:
+def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: str,
+                     node: int | None = None) -> list[Tensor]:
   """One device's MoE buffers inside the shard_map: router scores, the exchanged rows (fixed: the P·C buffer
   sent and received, with its masks; ragged: the x·K copies sorted by expert, the R rows received, the expert
   outputs and the results returned; with a float8 dispatch dtype also the packed rows sent and received), the
-  grouped matmul's hidden rows and the expert weights gathered for it."""
+  grouped matmul's hidden rows and the expert weights gathered for it. The two-stage exchange (`node`) adds
+  its first stage's buffers (`node_tensors`) and runs the ragged exchange within the node on one window of W
+  copies at a time."""
   m, a, c = cfg.model, activation_itemsize(cfg, platform), ex.ITEMSIZE[cfg.train.compute_dtype]
-  d = dispatch(cfg, sizes, batch, platform)
+  d = dispatch(cfg, sizes, batch, platform, node)
   e, mm, D = d.local_experts, -(-m.moe_intermediate_size // sizes["tensor"]), m.hidden_size
-  R, J, none = d.received, d.sent, (None, None)
+  R, J, none = d.received, d.window or d.sent, (None, None)
   fp8 = d.dtype.startswith("float8")
   packed = packed_row_bytes(D)
   out = [Tensor("router scores", "s", "moe", "XE", (d.tokens, m.n_routed_experts), none, 4, 1)]
+  if d.window:
+    out += node_tensors(d, m.num_experts_per_tok, D, a)
   if d.kind == "fixed":
     out += [Tensor("dispatch rows", "rows", "moe", "RD", (R, D), none, a, 2),
             Tensor("dispatch masks", "mask", "moe", "RD", (R, D), none, 1, 2)]
@@ -225,6 +250,22 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
   return out
 
 
+def node_tensors(d: Dispatch, K: int, D: int, a: int) -> list[Tensor]:
+  """The first stage of the two-stage exchange (sharding/experts.py experts_two_stage): the reach·x rows a
+  device sends across nodes with their expert ids and gate weights (2K float32), the R₁ rows it receives a
+  round, the node's weighted sums sent back and those it gets back (compute dtype)."""
+  S, R1, none = d.node_sent, d.node_received, (None, None)
+  out = [Tensor("node rows sent", "rows", "moe", "SD", (S, D), none, a, 1),
+         Tensor("node ids and weights", "meta", "moe", "SK", (S + R1, 2 * K), none, 4, 1)]
+  if d.dtype.startswith("float8"):
+    out += [Tensor("node rows packed as float8 + scales", "rows", "moe", "SD", (S, packed_row_bytes(D)), none, 1, 1),
+            Tensor("node rows received (float8 + scales)", "rows", "moe", "RD", (R1, packed_row_bytes(D)), none, 1,
+                   1)]
+  return out + [Tensor("node rows received", "rows", "moe", "RD", (R1, D), none, a, 1),
+                Tensor("node sums", "y", "moe", "RD", (R1, D), none, a, 1),
+                Tensor("node sums returned", "y", "moe", "SD", (S, D), none, a, 1)]
+
+
 def head_tensors(cfg: Config, batch: int, sizes: dict[str, int] | None = None) -> list[Tensor]:
   """The head's float32 logits: of the whole batch (train.loss_impl=full), or of one chunk of its tokens."""
   m, T = cfg.model, cfg.train.seq_len
@@ -245,8 +286,9 @@ def stage_input(cfg: Config, batch: int, platform: str) -> Tensor:
 
 
 def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str,
-                  batch: int | None = None) -> list[Tensor]:
-  """Everything one decoder layer keeps for one run on `batch` rows (default: one microbatch)."""
+                  batch: int | None = None, node: int | None = None) -> list[Tensor]:
+  """Everything one decoder layer keeps for one run on `batch` rows (default: one microbatch); `node` as for
+  `dispatch`."""
   m = cfg.model
   batch = cfg.train.batch_size // cfg.train.microbatches if batch is None else batch
   out = attention_tensors(cfg, batch, platform, sizes["context"])
@@ -254,16 +296,17 @@ def layer_tensors(cfg: Config, sizes: dict[str, int], moe: bool, platform: str,
     return out + mlp_tensors(cfg, batch, m.intermediate_size, platform=platform)
   if m.n_shared_experts:
     out += mlp_tensors(cfg, batch, m.moe_intermediate_size * m.n_shared_experts, "shared expert hidden", platform)
-  return out + dispatch_tensors(cfg, sizes, batch, platform)
+  return out + dispatch_tensors(cfg, sizes, batch, platform, node)
 
 
-def activation_rows(cfg: Config, sizes: dict[str, int], platform: str = "gpu") -> list[dict[str, Any]]:
+def activation_rows(cfg: Config, sizes: dict[str, int], platform: str = "gpu",
+                    node: int | None = None) -> list[dict[str, Any]]:
   """The main activations of one layer (and the head) per microbatch: shape, placement, bytes per device."""
   rows, seen = [], set()
   batch = cfg.train.batch_size // cfg.train.microbatches
   layers = [("dense layer", False)] * bool(cfg.model.num_dense_layers) + [("moe layer", True)] * cfg.model.is_moe
   for where, moe in layers:
-    for t in layer_tensors(cfg, sizes, moe, platform):
+    for t in layer_tensors(cfg, sizes, moe, platform, node=node):
       if (t.name, t.dims) in seen:
         continue
       seen.add((t.name, t.dims))
@@ -288,8 +331,10 @@ def _split(tensors: list[Tensor], sizes: dict[str, int]) -> tuple[int, int]:
   return sum(t.bytes(sizes) * t.copies for t in tensors) - dispatch, dispatch
 
 
-def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dict[str, Any]:
-  """Bytes per device by kind on a pipeline stage (all stages hold the same), with its layers."""
+def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu",
+           devices_per_node: int | None = None) -> dict[str, Any]:
+  """Bytes per device by kind on a pipeline stage (all stages hold the same), with its layers; the MoE
+  exchange as it runs with `devices_per_node` (two stages where the expert axis spans nodes)."""
   from jaxseek.pipeline import stages as pipeline_lib
 
   cfg, S = model.cfg, sizes["pipeline"]
@@ -328,7 +373,7 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   tail = (B // M, inner) if one_f_one_b else (outer_batch, outer)
   runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, *tail))
   head = _split(head_tensors(cfg, *tail), sizes)[0]
-  out.update(_activations(cfg, [r for r in runs if r[0]], head, platform))
+  out.update(_activations(cfg, [r for r in runs if r[0]], head, platform, expert_node(sizes, devices_per_node)))
   out["activations"] += kept
   if cfg.train.grad_compression != "none" and sizes["data"] > 1:  # the error-feedback residual, float32
     out["gradients"] += state["params"] * 4 // ex.ITEMSIZE[cfg.train.param_dtype]
@@ -345,7 +390,7 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu") -> dic
   return {"bytes": out, "stage": 0, "stages": S, "layers_on_stage": stages[0]}
 
 
-def _activations(cfg: Config, runs: list[tuple], head: int, platform: str) -> dict[str, int]:
+def _activations(cfg: Config, runs: list[tuple], head: int, platform: str, node: int | None) -> dict[str, int]:
   """Saved tensors of every layer run, plus the larger of the head's logits and one layer's backward (the
   logits are freed before the layers' backward starts)."""
   if not runs:
@@ -353,7 +398,7 @@ def _activations(cfg: Config, runs: list[tuple], head: int, platform: str) -> di
   policy = cfg.train.remat
   per_run = []  # (runs, activation bytes, dispatch bytes, bytes kept between forward and backward, dispatch
   for count, moe, batch, sizes in runs:  # bytes the backward does not read) of a layer
-    tensors = layer_tensors(cfg, sizes, moe, platform, batch)
+    tensors = layer_tensors(cfg, sizes, moe, platform, batch, node)
     act, dispatch = _split(tensors, sizes)
     per_run.append((count, act, dispatch, sum(t.bytes(sizes) * kept_copies(t, policy) for t in tensors),
                     sum(t.bytes(sizes) * t.copies for t in tensors if t.name in FORWARD_ONLY)))
@@ -371,13 +416,16 @@ def _activations(cfg: Config, runs: list[tuple], head: int, platform: str) -> di
 # exchange (the copies sorted, packed and received as float8 before they are dequantised, the expert outputs
 # before they are sent back) and freed before the backward's own exchange starts
 FORWARD_ONLY = ("token copies sorted by expert", "copies packed as float8 + scales", "rows received (float8 + scales)",
-                "expert outputs")
+                "expert outputs", "node rows sent", "node rows packed as float8 + scales",
+                "node rows received (float8 + scales)", "node sums")
 
 
 # the dispatch's exchanged rows, which no remat policy keeps (memory.dispatch_tensors)
 RAGGED_BUFFERS = ("token copies sorted by expert", "copies packed as float8 + scales",
                   "rows received (float8 + scales)", "rows received", "rows received, dequantised", "expert outputs",
-                  "results returned", "dispatch rows packed as float8 + scales")
+                  "results returned", "dispatch rows packed as float8 + scales", "node rows sent",
+                  "node ids and weights", "node rows packed as float8 + scales", "node rows received (float8 + scales)",
+                  "node rows received", "node sums", "node sums returned")
 
 
 def kept_copies(t: Tensor, policy: str) -> int:

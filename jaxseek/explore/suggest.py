@@ -101,7 +101,7 @@ PARTS = {"compute": "compute_s", "pipeline bubble": "bubble_s", "memory-bound ke
 def measure(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> Candidate:
   from jaxseek.explore import predict as predict_lib
 
-  memory = memory_lib.memory(model, sizes, platform)
+  memory = memory_lib.memory(model, sizes, platform, hw.devices_per_node)
   comm = comm_lib.communication(model, sizes, hw, memory["stage"], platform)
   compute = comm_lib.compute_seconds(model, sizes, hw)
   prediction = predict_lib.predict(model, sizes, hw, {"compute": compute, "communication": comm,
@@ -160,7 +160,8 @@ def smallest_fit(model: Model, sizes: dict[str, int], hw: Hardware, budget: int)
   if t.remat == "none":
     tries += [{"remat": "full"}] + [{"remat": "full", "microbatches": m} for m in options]
   for change in tries:
-    if memory_lib.memory(model.with_train(**change), sizes)["bytes"]["total"] <= budget:
+    changed = memory_lib.memory(model.with_train(**change), sizes, devices_per_node=hw.devices_per_node)
+    if changed["bytes"]["total"] <= budget:
       return [f"train.{k}={v}" for k, v in change.items()]
   others = [c for s in meshes(model.cfg, math.prod(sizes.values()), hw) if s != sizes
             and (c := evaluate(model, s, hw, budget)) is not None]
@@ -191,7 +192,7 @@ def explain_oom(cfg: Config, error: BaseException, config_path: str | None, over
   devices = devices or jax.device_count()
   model = explore.describe(cfg)
   sizes = explore.mesh_sizes(cfg, devices)
-  estimate = memory_lib.memory(model, sizes)["bytes"]["total"]
+  estimate = memory_lib.memory(model, sizes, devices_per_node=hw.devices_per_node)["bytes"]["total"]
   budget = int(hw.memory_bytes * hw.usable_fraction)
   asked = _ALLOC.search(str(error))
   if estimate <= budget:  # the estimate is short of what the run needed: ask for that much less
