@@ -477,6 +477,16 @@ def test_two_stage_dispatch_bytes_equal_a_hand_count():
   one = explore.plan(explore.describe(load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch=ragged",
                                                   "model.moe_dispatch_dtype=float8_e4m3fn")), sizes_of("e4d2"), hw)
   assert dispatch["bytes_inter_node"] < one["expert_dispatch"]["bytes_inter_node"]
+  # memory: the buffers of sharding/experts.py experts_two_stage, the first stage's as the rows it sends (reach·x,
+  # reach = min(N, K) = 2 nodes, its own included) and receives a round (f·x·reach, at most N·x), the second
+  # stage's window W = min(R₁·K, R) with R = f·K·x
+  f, N = cfg.model.moe_recv_factor, 2
+  R1 = min(N * x, math.ceil(f * x * min(N, K)))
+  W = min(R1 * K, math.ceil(f * K * x))
+  buffers = {r["name"]: r["shape"] for r in plan["activations"] if r["scope"] == "moe"}
+  assert buffers["node rows sent"] == [min(N, K) * x, 40] and buffers["node rows received"] == [R1, 40]
+  assert buffers["node rows received (float8 + scales)"] == [R1, row_fp8]
+  assert buffers["token copies sorted by expert"] == [W, 40] and buffers["rows received, dequantised"] == [W, 40]
 
 
 def test_nodes_a_token_reaches_match_the_closed_form():

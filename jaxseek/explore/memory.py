@@ -397,19 +397,42 @@ def _activations(cfg: Config, runs: list[tuple], head: int, platform: str, node:
     return {"activations": head, "moe_dispatch": 0}
   policy = cfg.train.remat
   per_run = []  # (runs, activation bytes, dispatch bytes, bytes kept between forward and backward, dispatch
-  for count, moe, batch, sizes in runs:  # bytes the backward does not read) of a layer
+  for count, moe, batch, sizes in runs:  # bytes of the layer's backward, its recomputed forward included)
     tensors = layer_tensors(cfg, sizes, moe, platform, batch, node)
     act, dispatch = _split(tensors, sizes)
     per_run.append((count, act, dispatch, sum(t.bytes(sizes) * kept_copies(t, policy) for t in tensors),
-                    sum(t.bytes(sizes) * t.copies for t in tensors if t.name in FORWARD_ONLY)))
+                    backward_dispatch(cfg, sizes, batch, platform, node, tensors) if moe else 0))
   biggest = max(per_run, key=lambda r: r[1] + r[2])
-  if policy == "none":
+  if policy == "none":  # every layer keeps its buffers; the backward adds what it holds beyond them
     return {"activations": sum(n * a for n, a, *_ in per_run) + max(biggest[1], head),
-            "moe_dispatch": sum(n * d for n, _, d, *_ in per_run) + biggest[2]}
+            "moe_dispatch": sum(n * d for n, _, d, *_ in per_run) + max(biggest[4] - biggest[2], 0)}
   # every layer keeps what the policy saves; one layer at a time recomputes the rest for its backward, whose
   # buffers join those of the recomputed forward it reads
   return {"activations": sum(n * k for n, _, _, k, _ in per_run) + biggest[1] + max(biggest[1], head),
-          "moe_dispatch": 2 * biggest[2] - biggest[4]}
+          "moe_dispatch": biggest[4]}
+
+
+# Two-stage dispatch: what one MoE layer's backward holds, in buffers of the second stage's window of W copies
+# (D wide and expert-hidden wide) and of the first stage's R₁ rows, counted in XLA's buffer assignment at the peak
+# of DeepSeek-V3's layout (docs/moe.md): the window's forward recomputed for its backward (copies gathered, rows
+# received, expert outputs, results, the live-row select; gate, up and their product) beside the backward's
+# cotangents of each and the scans' carries over rounds and windows
+WINDOW_ROWS, NODE_ROWS, WINDOW_HIDDEN = 11, 7, 6
+
+
+def backward_dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str, node: int | None,
+                      tensors: list[Tensor]) -> int:
+  """One MoE layer's exchange buffers while its backward runs, the recomputed forward's included: twice the
+  forward's, less those the backward does not read (`FORWARD_ONLY`); under the two-stage exchange the window's
+  and the first stage's buffers as `WINDOW_ROWS`, `NODE_ROWS` and `WINDOW_HIDDEN` count them."""
+  moe = [t for t in tensors if t.scope == "moe"]
+  d = dispatch(cfg, sizes, batch, platform, node)
+  if not d.window:
+    return sum(t.bytes(sizes) * t.copies * (1 if t.name in FORWARD_ONLY else 2) for t in moe)
+  a, D = activation_itemsize(cfg, platform), cfg.model.hidden_size
+  mm = -(-cfg.model.moe_intermediate_size // sizes["tensor"])
+  fixed = sum(t.bytes(sizes) * t.copies for t in moe if t.name in ("router scores", "expert weights (gathered)"))
+  return fixed + a * (WINDOW_ROWS * d.window * D + NODE_ROWS * d.node_received * D + WINDOW_HIDDEN * d.window * mm)
 
 
 # the ragged exchange's forward buffers that its backward does not read: consumed by the next step of the
