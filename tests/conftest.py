@@ -6,11 +6,12 @@ import socket
 from pathlib import Path
 
 # Tests compile many small programs and run each a few times: compiling is most of their time. XLA:CPU's
-# backend optimisations, its newer fusion emitters and XNNPACK each cost more compile time than they save in
-# running here (a tiny-v3 train step on 8 devices: 6.6 s to compile with them, 2.5 s without).
+# backend optimisations, its newer fusion emitters, XNNPACK and LLVM's expensive passes each cost more compile
+# time than they save in running here (a tiny-v3 train step on 8 devices: 6.6 s to compile with the first three,
+# 2.5 s without; a pipelined step with paired ticks: 27 s, 21.7 s without the expensive passes too).
 # JAXSEEK_TEST_DEFAULT_OPT=1 keeps XLA's defaults (tests/test_default_opt_level.py runs a subset so).
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                  "--xla_cpu_use_xnnpack=false")
+                  "--xla_cpu_use_xnnpack=false", "--xla_llvm_disable_expensive_passes=true")
 if os.environ.get("JAXSEEK_TEST_DEFAULT_OPT") != "1":
   os.environ.setdefault("XLA_FLAGS", " ".join(TEST_XLA_FLAGS))
 
