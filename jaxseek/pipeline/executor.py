@@ -255,7 +255,7 @@ class _Stage:
       return g_x, g_chunk, g_rp, stash
 
     with jax.named_scope("pipeline_backward"):
-      return _when(self.virtual[self.s, r] == 0, first, later)
+      return jax.lax.cond(self.virtual[self.s, r] == 0, first, later)
 
   def weights(self, stash, r, m):
     """W of chunk r on microbatch m: the gradients of the leaves `w_leaves`, from b's stash."""
@@ -313,7 +313,7 @@ class _Stage:
       with set_xla_metadata(**{SHARE: f"{route.active.mean():.6g}"}):  # the HLO's readers weigh it by its ticks
         return move(p)
 
-    return _when(jnp.asarray(route.active)[t], run, lambda p: p, payload)
+    return jax.lax.cond(jnp.asarray(route.active)[t], run, lambda p: p, payload)
 
   def init(self):
     summed = jax.eval_shape(lambda: self.summed(_zeros(self.aux_shape)))
@@ -368,16 +368,16 @@ class _Stage:
         res = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, at("f_residual"), 0), res, new)
         return (y, aux), self._accumulate(g_sp, fr, self.f_leaves, early), res
 
-      (y, aux), g_sp, res = _when(has_f, run_f, lambda kept: (_zeros((self.y_shape, self.aux_shape)), *kept),
-                                  (g_sp, res))
+      (y, aux), g_sp, res = jax.lax.cond(has_f, run_f, lambda kept: (_zeros((self.y_shape, self.aux_shape)), *kept),
+                                         (g_sp, res))
     else:
       y, aux = jax.lax.cond(has_f, lambda: self.forward(_at(buf, at("f_slot")), at("f_chunk"), at("f_micro")),
                             lambda: _zeros((self.y_shape, self.aux_shape)))
     aux_acc = jax.tree.map(lambda acc, a: _add(acc, at("f_chunk"), jnp.where(has_f, a, jnp.zeros((), a.dtype))),
                            aux_acc, self.summed(aux))
     # the microbatch leaves the last virtual stage: its loss, and the cotangent its backward starts from
-    g_y, g_rp, stats_m = _when(has_loss, lambda g: self.post_grad(y, at("f_micro"), g),
-                               lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
+    g_y, g_rp, stats_m = jax.lax.cond(has_loss, lambda g: self.post_grad(y, at("f_micro"), g),
+                                      lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
     grads = _put(grads, at("loss_grad"), g_y, has_loss)
     stats = jax.tree.map(jnp.add, stats, stats_m)
     # the gradients accumulate, and the stash is written and read, inside the branches that run (in place): a
@@ -390,13 +390,14 @@ class _Stage:
       stash = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, at("b_stash"), 0), stash, new)
       return g_x, self._accumulate(g_sp, br, self.b_leaves, g_early), g_rp, stash
 
-    g_xb, g_sp, g_rp, stash = _when(has_b, run_b, lambda kept: (_zeros(self.y_shape), *kept), (g_sp, g_rp, stash))
+    g_xb, g_sp, g_rp, stash = jax.lax.cond(has_b, run_b, lambda kept: (_zeros(self.y_shape), *kept),
+                                           (g_sp, g_rp, stash))
     if self.table.split:  # the W of this tick, from its stash
       def run_w(g):
         wr = at("w_chunk")
         return self._accumulate(g, wr, self.w_leaves, self.weights(_at(stash, at("w_stash")), wr, at("w_micro")))
 
-      g_sp = _when(has("w_micro"), run_w, lambda g: g, g_sp)
+      g_sp = jax.lax.cond(has("w_micro"), run_w, lambda g: g, g_sp)
     return (buf, grads, (stash, res), g_sp, g_rp, stats, aux_acc), y, g_xb
 
   def paired(self, carry, lookup):
@@ -416,12 +417,12 @@ class _Stage:
       x = self.entering(_at(buf, bs), br, bm)
       (_, aux_b), pull = jax.vjp(lambda x, p: self.chunk(x, p, br, bm, unroll=True), x, _at(self.sp_R, br))
       g_x, g_p = pull((g_in, {k: _cotangent(a, self.aux_cotangent.get(k, 0.0)) for k, a in aux_b.items()}))
-    g_y, g_rp, stats_m = _when(has("loss_grad"), lambda g: self.post_grad(y, fm, g),
+    g_y, g_rp, stats_m = jax.lax.cond(has("loss_grad"), lambda g: self.post_grad(y, fm, g),
                                       lambda g: (_zeros(self.y_shape), g, _zeros(self.stats_shape)), g_rp)
     grads = _put(grads, lg, g_y, has("loss_grad"))
     first_b = self.virtual[self.s, br] == 0
     with jax.named_scope("pipeline_backward"):
-      g_rp = _when(first_b, lambda g: self.add_first_grad(g, bm, g_x), lambda g: g, g_rp)
+      g_rp = jax.lax.cond(first_b, lambda g: self.add_first_grad(g, bm, g_x), lambda g: g, g_rp)
     g_sp = self._accumulate(g_sp, br, self.b_leaves, jax.tree.leaves(g_p))
     stats = jax.tree.map(jnp.add, stats, stats_m)
     return (buf, grads, stash_res, g_sp, g_rp, stats, aux_acc), y, jnp.where(first_b, jnp.zeros_like(g_x), g_x)
@@ -443,15 +444,6 @@ class _Stage:
     for i, g in zip(leaves, values):
       flat[i] = _add(flat[i], r, g)
     return jax.tree.unflatten(treedef, flat)
-
-
-def _when(pred, fn: Callable, otherwise: Callable, *operands):
-  """`jax.lax.cond(pred, fn, otherwise, *operands)` with `otherwise` (which passes the operands through) as the
-  conditional's first branch. XLA keeps a conditional's output in its operand's buffer only when the branch that
-  passes it through is branch 0; `cond` lowers its true branch first, and XLA's GPU compiler then copied the
-  accumulators the branches take, in each branch, every tick (DeepSeek-V3's layout on 1F1B: the 6.52 GiB
-  outer-gradient accumulator in 5 places)."""
-  return jax.lax.switch(jnp.asarray(pred).astype(jnp.int32), (otherwise, fn), *operands)
 
 
 def _at(tree, i):
