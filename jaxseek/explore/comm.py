@@ -444,9 +444,8 @@ def group_reach(cfg, P: int, g: int) -> tuple[int, int] | None:
 
 
 def shards_per_node(sizes: dict[str, int], hw: Hardware) -> int:
-  """Expert-axis shards in one node: the axes inside `expert` (context, tensor) fill a node first."""
-  inner = sizes["context"] * sizes["tensor"]
-  return max(1, min(sizes["expert"], hw.devices_per_node // inner))
+  """Expert-axis shards in one node of `hw` (memory.shards_per_node)."""
+  return em.shards_per_node(sizes, hw.devices_per_node)
 
 
 def _activations(cfg, sizes, hw, micro, passes, platform="gpu"):

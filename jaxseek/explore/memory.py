@@ -183,8 +183,13 @@ def expert_node(sizes: dict[str, int], devices_per_node: int | None) -> int | No
   a node first), else None."""
   if not devices_per_node:
     return None
-  g = max(1, min(sizes["expert"], devices_per_node // (sizes["context"] * sizes["tensor"])))
+  g = shards_per_node(sizes, devices_per_node)
   return g if sizes["expert"] // g > 1 else None
+
+
+def shards_per_node(sizes: dict[str, int], devices_per_node: int) -> int:
+  """Expert-axis shards in one node: the axes inside `expert` (context, tensor) fill a node first."""
+  return max(1, min(sizes["expert"], devices_per_node // (sizes["context"] * sizes["tensor"])))
 
 
 def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str, node: int | None = None) -> Dispatch:
