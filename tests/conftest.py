@@ -93,8 +93,8 @@ SLOW = {
 
 
 def pytest_collection_modifyitems(config, items):
-  for item in items:
-    if item.nodeid in SLOW:
+  for item in items:  # an entry without parameters names every case of its test
+    if item.nodeid in SLOW or item.nodeid.split("[")[0] in SLOW:
       item.add_marker(pytest.mark.slow)
 
 from jaxseek import config as config_lib  # noqa: E402
