@@ -10,6 +10,7 @@ shard's), n rows of a block, N blocks; X tokens, K experts per token.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -56,10 +57,15 @@ def ffn_blocked(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
   XLA:CPU lowers `ragged_dot` to a dense product with every group (E× the work). Here each group is padded to a
   multiple of the block size n and a loop visits the blocks in use, each block one expert's matmuls with that
   expert's weights read in place, so the work is at most R + E·n rows and nothing E-sized is materialised.
+  On CPU the blocks are twice as tall (a taller matmul keeps both cores of a small machine busy) and, in float32,
+  the backward reads the forward's gate and up products instead of computing them again (docs/cpu.md; in 16-bit
+  compute XLA:CPU carries the recomputed products into SwiGLU in float32, which kept ones would round). Other
+  platforms keep the memory instead.
   """
   R, D = x_RD.shape
   E = w_gate_EDm.shape[0]
-  n = 2 ** int(math.log2(min(max(R // (4 * E), 8), 256)))
+  cpu = choice.platform() == "cpu"
+  n = 2 ** int(math.log2(min(max(R // ((2 if cpu else 4) * E), 8), 256)))
   blocks = -(-(R + E * (n - 1)) // n)
   padded_E = -(-sizes_E // n) * n
   ends_E, padded_ends_E = jnp.cumsum(sizes_E), jnp.cumsum(padded_E)
@@ -74,7 +80,8 @@ def ffn_blocked(x_RD, sizes_E, w_gate_EDm, w_up_EDm, w_down_EmD):
   zero = varying_zero(x_NnD, w_gate_EDm, w_up_EDm, w_down_EmD)
   x_NnD, w_gate_EDm, w_up_EDm, w_down_EmD = (a + zero.astype(a.dtype)
                                              for a in (x_NnD, w_gate_EDm, w_up_EDm, w_down_EmD))
-  y_NnD = _swiglu_blocks(x_NnD, expert_N, padded_ends_E[-1] // n, w_gate_EDm, w_up_EDm, w_down_EmD)
+  y_NnD = _swiglu_blocks(x_NnD, expert_N, padded_ends_E[-1] // n, w_gate_EDm, w_up_EDm, w_down_EmD,
+                         keep=cpu and x_RD.dtype == jnp.float32)
   return y_NnD.reshape(blocks * n, D).at[dest_R].get(mode="fill", fill_value=0)
 
 
@@ -84,10 +91,11 @@ def _count_at_most(sorted_E: jax.Array, query_Q: jax.Array) -> jax.Array:
   return (query_Q[:, None] >= sorted_E[None, :]).sum(-1, dtype=jnp.int32)
 
 
-@jax.custom_vjp
-def _swiglu_blocks(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
-  """y[i] = SwiGLU of block i with expert expert_N[i]'s weights for i < used, zeros after."""
-  return _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _swiglu_blocks(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD, keep=False):
+  """y[i] = SwiGLU of block i with expert expert_N[i]'s weights for i < used, zeros after. `keep`: the forward's
+  gate and up products are kept for the backward (else it computes them again)."""
+  return _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD, keep)[0]
 
 
 def varying_zero(*arrays) -> jax.Array:
@@ -98,34 +106,50 @@ def varying_zero(*arrays) -> jax.Array:
   return jax.lax.stop_gradient(sum(a.reshape(-1)[:0].sum().astype(jnp.float32) for a in arrays))
 
 
-def _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD):
+def _swiglu_blocks_fwd(x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD, keep=False):
   def block(_, inputs):
     x_nD, e, i = inputs
-    run = lambda: (swiglu(x_nD @ w_gate_EDm[e], x_nD @ w_up_EDm[e]) @ w_down_EmD[e]).astype(x_nD.dtype)
-    return None, jax.lax.cond(i < used, run, lambda: jnp.zeros_like(x_nD))
 
-  _, y_NnD = jax.lax.scan(block, None, (x_NnD, expert_N, jnp.arange(x_NnD.shape[0])))
-  return y_NnD, (x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD)
+    def run():
+      gate_nm, up_nm = x_nD @ w_gate_EDm[e], x_nD @ w_up_EDm[e]
+      y_nD = (swiglu(gate_nm, up_nm) @ w_down_EmD[e]).astype(x_nD.dtype)
+      return (y_nD, gate_nm, up_nm) if keep else y_nD
+
+    def skipped():
+      zeros = jnp.zeros_like(x_nD)
+      if not keep:
+        return zeros
+      hidden = jnp.zeros((x_nD.shape[0], w_gate_EDm.shape[-1]), jnp.result_type(x_nD, w_gate_EDm))
+      hidden = hidden + varying_zero(x_nD, w_gate_EDm).astype(hidden.dtype)
+      return zeros, hidden, hidden
+
+    return None, jax.lax.cond(i < used, run, skipped)
+
+  _, out = jax.lax.scan(block, None, (x_NnD, expert_N, jnp.arange(x_NnD.shape[0])))
+  y_NnD, hidden = (out[0], out[1:]) if keep else (out, None)
+  return y_NnD, (x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD, hidden)
 
 
-def _swiglu_blocks_bwd(residuals, dy_NnD):
-  """Two loops over the blocks: the first recomputes each block's hidden activations and gives the input's
-  cotangent, with the hidden cotangents and activations the weight gradients need; the second accumulates each
-  expert's weight gradients in place from those, in float32 (cast to the weights' dtype at the end). Each matmul
-  runs once; a zero-bubble pipeline's W (pipeline/wsplit.py) runs the second loop apart from the first. As the FP8
-  recipes' grouped backward (kernels/fp8_grouped.py): the GEMMs' outputs in the compute dtype, SwiGLU's derivative
-  in float32, the hidden cotangents cast back, the input gradient summed over gate and up in float32."""
-  x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD = residuals
+def _swiglu_blocks_bwd(keep, residuals, dy_NnD):
+  """Two loops over the blocks: the first recomputes each block's gate and up products (or reads the kept ones) and
+  gives the input's cotangent, with the hidden cotangents and activations the weight gradients need; the second
+  accumulates each expert's weight gradients in place from those, in float32 (cast to the weights' dtype at the
+  end). Each matmul runs once; a zero-bubble pipeline's W (pipeline/wsplit.py) runs the second loop apart from the
+  first. As the FP8 recipes' grouped backward (kernels/fp8_grouped.py): the GEMMs' outputs in the compute dtype,
+  SwiGLU's derivative in float32, the hidden cotangents cast back, the input gradient summed over gate and up in
+  float32."""
+  x_NnD, expert_N, used, w_gate_EDm, w_up_EDm, w_down_EmD, hidden = residuals
   zero = varying_zero(dy_NnD, x_NnD)  # dy may vary over fewer axes than the operands
   blocks = jnp.arange(x_NnD.shape[0])
   dtype = jnp.result_type(x_NnD, w_gate_EDm)
   f32 = lambda a: a.astype(jnp.float32)
 
   def input_block(_, inputs):
-    x_nD, dy_nD, e, i = inputs
+    x_nD, dy_nD, e, i, kept = inputs
 
     def backward():
-      gate_nm, up_nm = f32(x_nD @ w_gate_EDm[e]), f32(x_nD @ w_up_EDm[e])
+      gate_nm, up_nm = kept if kept else (x_nD @ w_gate_EDm[e], x_nD @ w_up_EDm[e])
+      gate_nm, up_nm = f32(gate_nm), f32(up_nm)
       sig_nm = jax.nn.sigmoid(gate_nm)
       act_nm = gate_nm * sig_nm
       dh_nm = f32(dy_nD @ w_down_EmD[e].T)
@@ -142,7 +166,8 @@ def _swiglu_blocks_bwd(residuals, dy_NnD):
 
     return None, jax.lax.cond(i < used, backward, skipped)
 
-  _, (dx_NnD, dgate_Nnm, dup_Nnm, h_Nnm) = jax.lax.scan(input_block, None, (x_NnD, dy_NnD, expert_N, blocks))
+  _, (dx_NnD, dgate_Nnm, dup_Nnm, h_Nnm) = jax.lax.scan(input_block, None,
+                                                               (x_NnD, dy_NnD, expert_N, blocks, hidden or ()))
 
   def weight_block(grads, inputs):
     x_nD, dy_nD, dgate_nm, dup_nm, h_nm, e, i = inputs
