@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 from typing import NamedTuple
 
@@ -154,6 +155,7 @@ def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool =
                    f"{', '.join(SPLIT)}")
 
 
+@functools.lru_cache(maxsize=64)  # built greedily (seconds at S = 16, M = 60); the explorer asks again per layout
 def zero_bubble_order(name: str, S: int, M: int, packed: bool = True, stashes: int = 0) -> zero_bubble.Order:
   """The order of a zero-bubble schedule; `packed` (what the step runs): built for b costing two, F and W
   sharing the ticks without a b (zero_bubble.RECOMPUTE), else for F = b = W = 1. `stashes` caps what a stage
