@@ -9,7 +9,7 @@ import pytest
 
 from jaxseek import config as config_lib
 from jaxseek.kernels import choice, flash, gpu, grouped
-from jaxseek.kernels.attention import cpu_dense_attention, dense_attention
+from jaxseek.kernels.attention import dense_attention
 from jaxseek.model import loss as loss_lib
 
 B, T = 2, 48
@@ -102,20 +102,6 @@ def test_flash_on_a_prime_length_pads_to_whole_blocks_and_equals_dense(packed):
     for inner in [getattr(p, "jaxpr", p) for p in e.params.values()]:
       lengths += [x.params["length"] for x in getattr(inner, "eqns", []) if x.primitive.name == "scan"]
   assert lengths == [4]
-
-
-@pytest.mark.parametrize("N,G,K,P", [(4, 4, 12, 8), (6, 2, 10, 10)])
-def test_cpu_dense_attention_backward_equals_autodiff(N, G, K, P):
-  """The CPU attention's backward (δ = Σ dout ⊙ out in place of autodiff's Σ p ⊙ dp over the keys) against autodiff
-  of the reference, packed documents with a padded tail and a query slice of the sequence; float32 rounding apart
-  (the gradients are O(1); a wrong δ, scale or mask moves them by far more)."""
-  q, k, v, w = qkv(N, G, K, P)
-  seg = jnp.asarray(SEGMENTS)
-  for args, cut in (((seg, 0.3), slice(None)), ((seg[:, 16:32], 0.3, seg, 16), slice(16, 32))):
-    ref = value_and_grads(lambda q, k, v: dense_attention(q[:, cut], k, v, *args), q, k, v, w[:, cut])
-    got = value_and_grads(lambda q, k, v: cpu_dense_attention(q[:, cut], k, v, *args), q, k, v, w[:, cut])
-    assert_same(got, ref, 2e-5)
-    assert all(float(jnp.abs(g).max()) > 0.1 for g in ref[1])
 
 
 @pytest.mark.parametrize("packed", [False, True])

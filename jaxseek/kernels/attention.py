@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -24,9 +22,7 @@ def attend(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, segment_ids_
                                head_dims=(q_BTNH.shape[-1], v_BSGP.shape[-1]))
   args = (q_BTNH, k_BSGH, v_BSGP, segment_ids_BT, scale, key_segment_ids_BS, query_offset)
   if kind == "dense":
-    # auto on CPU in float32: the same forward with a backward XLA:CPU runs faster (dense: autodiff's, the reference)
-    cpu_f32 = impl == "auto" and choice.platform() == "cpu" and q_BTNH.dtype == v_BSGP.dtype == jnp.float32
-    out = (cpu_dense_attention if cpu_f32 else dense_attention)(*args)
+    out = dense_attention(*args)
   elif kind == "blocked":
     out = flash.attention(*args)
   else:
@@ -69,62 +65,16 @@ def dense_attention(q_BTNH: jax.Array, k_BSGH: jax.Array, v_BSGP: jax.Array, seg
   The mask is causal and, with packed sequences, keeps each token inside its own segment. The queries may be a
   slice of the sequence starting at `query_offset`, with the keys' segment ids given apart (context parallelism).
   """
-  mask_BTS = _mask(q_BTNH.shape[1], segment_ids_BT, key_segment_ids_BS, query_offset, k_BSGH.shape[1])
-  return _attend(q_BTNH, k_BSGH, v_BSGP, mask_BTS, scale)[0]
-
-
-def _mask(T: int, segment_ids_BT, key_segment_ids_BS, query_offset, S: int) -> jax.Array:
-  """Causal from `query_offset`, and within each packed segment: [B or 1, T, S]."""
-  mask_BTS = ((query_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :])[None]
-  if segment_ids_BT is not None:
-    keys_BS = segment_ids_BT if key_segment_ids_BS is None else key_segment_ids_BS
-    mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == keys_BS[:, None, :])
-  return mask_BTS
-
-
-def _attend(q_BTNH, k_BSGH, v_BSGP, mask_BTS, scale):
-  """(out [B, T, N, P], probabilities [B, G, n, T, S] in v's dtype)."""
   B, T, N, H = q_BTNH.shape
   G = k_BSGH.shape[2]
   q_BTGnH = q_BTNH.reshape(B, T, G, N // G, H)
   scores_BGnTS = jnp.einsum("BTGnH,BSGH->BGnTS", q_BTGnH, k_BSGH, preferred_element_type=jnp.float32) * scale
+  S = k_BSGH.shape[1]
+  mask_BTS = ((query_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :])[None]
+  if segment_ids_BT is not None:
+    keys_BS = segment_ids_BT if key_segment_ids_BS is None else key_segment_ids_BS
+    mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == keys_BS[:, None, :])
   scores_BGnTS = jnp.where(mask_BTS[:, None, None], scores_BGnTS, jnp.finfo(jnp.float32).min)
   probs_BGnTS = jax.nn.softmax(scores_BGnTS, axis=-1).astype(v_BSGP.dtype)
   out_BTGnP = jnp.einsum("BGnTS,BSGP->BTGnP", probs_BGnTS, v_BSGP)
-  return out_BTGnP.reshape(B, T, N, v_BSGP.shape[-1]), probs_BGnTS
-
-
-def cpu_dense_attention(q_BTNH, k_BSGH, v_BSGP, segment_ids_BT, scale, key_segment_ids_BS=None, query_offset=0):
-  """`dense_attention` in float32 with the softmax's backward taken as FlashAttention's (XLA:CPU's reduction of
-  the [T, S] product p ⊙ dp over the keys, autodiff's form, is its slowest pass): ds = p ⊙ (dp − δ) with
-  δ = Σ_P dout ⊙ out per query, equal to Σ_S p ⊙ dp (the output is p·v) up to rounding."""
-  mask_BTS = _mask(q_BTNH.shape[1], segment_ids_BT, key_segment_ids_BS, query_offset, k_BSGH.shape[1])
-  return _cpu_attend(q_BTNH, k_BSGH, v_BSGP, mask_BTS, scale)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _cpu_attend(q_BTNH, k_BSGH, v_BSGP, mask_BTS, scale):
-  return _attend(q_BTNH, k_BSGH, v_BSGP, mask_BTS, scale)[0]
-
-
-def _cpu_attend_fwd(q_BTNH, k_BSGH, v_BSGP, mask_BTS, scale):
-  out_BTNP, probs_BGnTS = _attend(q_BTNH, k_BSGH, v_BSGP, mask_BTS, scale)
-  return out_BTNP, (q_BTNH, k_BSGH, v_BSGP, mask_BTS, probs_BGnTS, out_BTNP)
-
-
-def _cpu_attend_bwd(scale, residuals, dout_BTNP):
-  q_BTNH, k_BSGH, v_BSGP, mask_BTS, p_BGnTS, out_BTNP = residuals
-  B, T, N, H = q_BTNH.shape
-  G, P = k_BSGH.shape[2], v_BSGP.shape[-1]
-  heads = lambda a: a.reshape(B, T, G, N // G, a.shape[-1])
-  dout_BTGnP, q_BTGnH = heads(dout_BTNP), heads(q_BTNH)
-  dv_BSGP = jnp.einsum("BGnTS,BTGnP->BSGP", p_BGnTS, dout_BTGnP)
-  dp_BGnTS = jnp.einsum("BTGnP,BSGP->BGnTS", dout_BTGnP, v_BSGP)
-  delta_BGnT = jnp.einsum("BTGnP,BTGnP->BGnT", dout_BTGnP, heads(out_BTNP))
-  ds_BGnTS = p_BGnTS * (dp_BGnTS - delta_BGnT[..., None]) * scale
-  dq_BTNH = jnp.einsum("BGnTS,BSGH->BTGnH", ds_BGnTS, k_BSGH).reshape(B, T, N, H)
-  dk_BSGH = jnp.einsum("BGnTS,BTGnH->BSGH", ds_BGnTS, q_BTGnH)
-  return dq_BTNH, dk_BSGH, dv_BSGP, None
-
-
-_cpu_attend.defvjp(_cpu_attend_fwd, _cpu_attend_bwd)
+  return out_BTGnP.reshape(B, T, N, v_BSGP.shape[-1])
