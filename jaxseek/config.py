@@ -27,7 +27,7 @@ MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 # values, on any platform (checkpoint.py; `portable`).
 EXECUTION_KEYS = ("attention_impl", "context_attention", "moe_matmul", "moe_dispatch", "moe_dispatch_dtype",
                   "moe_recv_factor", "moe_overlap_chunks", "overlap_streams", "moe_capacity_factor",
-                  "moe_max_expert_shards")
+                  "moe_max_expert_shards", "moe_tensor")
 # Their values that run on one kind of device only (GPU kernels, ragged-all-to-all exchanges): `portable` turns
 # them back to auto, which picks the kernel or exchange of the platform at hand.
 PLATFORM_CHOICES = {"attention_impl": ("mosaic", "triton", "cudnn"), "moe_matmul": ("tokamax", "tokamax_triton"),
@@ -106,6 +106,14 @@ class ModelConfig:
   # The dispatched rows' dtype: null = the compute dtype; float8_e4m3fn sends each row as e4m3 with a float32
   # scale per 128 channels (dequantised on arrival); the results come back in the compute dtype.
   moe_dispatch_dtype: Literal["float8_e4m3fn"] | None = None
+  # What mesh.tensor does in the routed experts (jaxseek's own key; Megatron's expert tensor parallelism): "split"
+  # each expert's hidden width over tensor (every tensor rank dispatches the same tokens; the partial outputs are
+  # summed over tensor), or "experts": the tensor ranks hold other experts (experts over expert × tensor, whole),
+  # and each tensor rank dispatches its share of the sequence (1/tensor of the tokens), so every token is sent once
+  # per tensor group (Megatron's expert tensor parallel size 1). Attention, the dense MLPs and the shared experts
+  # stay split over tensor either way. n_routed_experts must divide by expert × tensor and train.seq_len by
+  # context × tensor (docs/moe.md, "Tensor ranks as expert shards").
+  moe_tensor: Literal["split", "experts"] = "split"
   # Attention (jaxseek's own key): "dense" (the reference: scores [T, S] in memory), "blocked" (online softmax
   # over key blocks, fully masked causal blocks skipped, memory linear in the length: any backend), or a tokamax
   # GPU kernel: "mosaic" (Mosaic GPU flash attention, Hopper and later, 16-bit inputs), "triton", "cudnn".
@@ -825,7 +833,9 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
             ("model.intermediate_size", m.intermediate_size, ("tensor",))]
   if not m.is_mla:
     checks.append(("model.num_key_value_heads", m.kv_heads, ("tensor",)))
-  if m.is_moe:
+  if m.is_moe and m.moe_tensor == "experts":
+    checks += [("model.n_routed_experts", m.n_routed_experts, ("expert", "tensor"))]
+  elif m.is_moe:
     checks += [("model.moe_intermediate_size", m.moe_intermediate_size, ("tensor",)),
                ("model.n_routed_experts", m.n_routed_experts, ("expert",))]
   for key, value, axes in checks:
@@ -837,9 +847,11 @@ def check_mesh_fit(cfg: Config, sizes: dict[str, int]) -> None:
     if value % size:
       names = " × ".join(f"mesh.{a}={sizes[a]}" for a in axes)
       raise UserError(f"config key {key}: {value} is not divisible by {names}; change the mesh or the model size")
-  length = sizes["context"] * (sizes["tensor"] if cfg.mesh.sequence_parallel else 1)
+  on_tensor = cfg.mesh.sequence_parallel or (m.is_moe and m.moe_tensor == "experts")
+  length = sizes["context"] * (sizes["tensor"] if on_tensor else 1)
   if length > 0 and cfg.train.seq_len % length:
-    names = "mesh.context" + (" × mesh.tensor (sequence parallelism)" if cfg.mesh.sequence_parallel else "")
+    why = "sequence parallelism" if cfg.mesh.sequence_parallel else "model.moe_tensor=experts"
+    names = "mesh.context" + (f" × mesh.tensor ({why})" if on_tensor else "")
     raise UserError(f"config key train.seq_len: {cfg.train.seq_len} tokens are not divisible by {names} = "
                     f"{length}; change the sequence length or the mesh")
   if cfg.model.context_attention == "zigzag" and sizes["context"] > 1 and cfg.train.seq_len % (2 * sizes["context"]):

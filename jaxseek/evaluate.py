@@ -157,7 +157,7 @@ def evaluate(path: str | Path, cfg: config_lib.Config) -> dict[str, float]:
     graphdef, weights = nnx.split(model)
 
     def forward(weights, batch):
-      with rules.sequence_parallel(cfg.mesh.sequence_parallel):
+      with rules.layout(cfg):
         return step_lib.eval_sums_accumulated(lambda: nnx.merge(graphdef, weights), cfg, batch)
 
     compiled = jax.jit(forward).lower(weights, batches[0]).compile()

@@ -104,7 +104,7 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> Non
   other hardware): refused with one line before anything is written."""
   pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
   m = cfg.model
-  shards = mesh.shape["expert"]
+  shards = mesh.shape["expert"] * (mesh.shape["tensor"] if m.moe_tensor == "experts" else 1)
   if m.is_moe and m.moe_max_expert_shards is not None and m.moe_max_expert_shards < shards and \
       m.num_experts_per_tok > m.moe_max_expert_shards * (m.n_routed_experts // shards):
     raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} of the {shards} expert "
@@ -140,7 +140,8 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
 
   check_setup(cfg, mesh, backend_checks)
 
-  exchange = experts.Settings.from_config(cfg.model, experts.node_shards(mesh, cfg.mesh.devices_per_node))
+  exchange = experts.Settings.from_config(cfg.model, experts.node_shards(mesh, cfg.mesh.devices_per_node,
+                                                                            experts.expert_axes(cfg.model)))
   fp8 = fp8_gemm.resolve(cfg.train.fp8, *choice.device_target(mesh.devices.flat[0]))
 
   def create() -> nnx.Module:
@@ -148,7 +149,7 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
                            dtype=cfg.train.compute_dtype, remat=cfg.train.remat, fp8=fp8,
                            run_stack=pipeline_lib.stack_runner(cfg), exchange=exchange)
 
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), rules.layout(cfg):
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
   tx = optim.make(cfg.optim, cfg.train.steps, abstract_params)
 
@@ -170,13 +171,13 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
                       overflow_budget=jnp.asarray(cfg.train.loss_scale_hysteresis, jnp.int32), grad_residual=residual,
                       grad_basis=basis)
 
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), rules.layout(cfg):  # the rules of the layout the step is traced with
     abstract_state = jax.eval_shape(init)
     shardings = state_shardings(abstract_state, mesh, cfg.train.zero, cfg.train.optimizer_memory)
   jitted = jax.jit(init, out_shardings=shardings)
 
   def init_on_mesh() -> TrainState:
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), rules.layout(cfg):
       return jitted()
 
   return Trainer(graphdef, tx, shardings, abstract_state, init_on_mesh)
@@ -443,7 +444,7 @@ def compile_step(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callab
   """The jitted step: state and batch in their shardings, state donated."""
   def step(state, batch):
     # the activation rules the step is traced with
-    with rules.sequence_parallel(cfg.mesh.sequence_parallel), pipeline_lib.batch_rules(cfg, dict(mesh.shape)):
+    with rules.layout(cfg), pipeline_lib.batch_rules(cfg, dict(mesh.shape)):
       return train_step(trainer, cfg, state, batch)
 
   return jax.jit(step, in_shardings=(trainer.state_shardings, input_lib.batches.batch_shardings(mesh, cfg)),
@@ -490,7 +491,7 @@ def eval_sums_accumulated(model_fn: Callable[[], nnx.Module], cfg: config_lib.Co
 def compile_eval(trainer: Trainer, cfg: config_lib.Config, mesh: Mesh) -> Callable:
   """(params, biases, batch) → eval_sums, jitted once with the train state's and the batch's shardings."""
   def evaluate(params, biases, batch):
-    with rules.sequence_parallel(cfg.mesh.sequence_parallel), pipeline_lib.batch_rules(cfg, dict(mesh.shape)):
+    with rules.layout(cfg), pipeline_lib.batch_rules(cfg, dict(mesh.shape)):
       return eval_sums_accumulated(lambda: nnx.merge(trainer.graphdef, params, biases), cfg, batch)
 
   shardings = trainer.state_shardings

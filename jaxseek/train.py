@@ -114,7 +114,8 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
     _log(pipeline_lib.summary(cfg, mesh.shape["pipeline"], dict(mesh.shape)))
   if cfg.model.is_moe:
     with jax.set_mesh(mesh):
-      _log(experts.dispatch_summary(cfg, dict(mesh.shape), node=experts.node_shards(mesh, cfg.mesh.devices_per_node)))
+      _log(experts.dispatch_summary(cfg, dict(mesh.shape), node=experts.node_shards(
+          mesh, cfg.mesh.devices_per_node, experts.expert_axes(cfg.model))))
   _log(gradsum.summary(cfg, dict(mesh.shape)))
   if (line := compression_summary(cfg, trainer, mesh)) is not None:
     _log(line)

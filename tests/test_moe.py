@@ -26,7 +26,12 @@ from jaxseek.sharding.rules import activation_spec
 
 ALL_TO_ALL = re.compile(r"\b(all-to-all)(-start)?\(")
 MESHES = {"expert1": ("mesh.expert=1",), "expert2": ("mesh.expert=2",), "expert4": ("mesh.expert=4",),
-          "expert8": ("mesh.expert=8",), "e2f2t2": ("mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2")}
+          "expert8": ("mesh.expert=8",), "e2f2t2": ("mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"),
+          # the tensor ranks as expert shards (model.moe_tensor=experts): experts over expert × tensor, tokens' length
+          # over tensor, with and without sequence parallelism
+          "e2t2-experts": ("mesh.expert=2", "mesh.tensor=2", "model.moe_tensor=experts"),
+          "e2f2t2-experts-sp": ("mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "model.moe_tensor=experts",
+                                "mesh.sequence_parallel=true")}
 STEPS = 5
 MOE_ONLY = "model.first_k_dense_replace=0"  # every layer MoE: the dense stack would add compile time, not coverage
 
@@ -105,6 +110,31 @@ def test_overlap_streams_train_as_one_device():
   np.testing.assert_allclose([r["loss"] for r in records], ref["losses"][:3], rtol=1e-5)
   np.testing.assert_allclose([r["grad_norm"] for r in records], ref["norms"][:3], rtol=1e-5)
   np.testing.assert_allclose(np.asarray(jax.tree.leaves(state.biases)[0]), ref["biases"][2], rtol=1e-5, atol=1e-7)
+
+
+def test_tensor_ranks_as_expert_shards_dispatch_each_token_once(monkeypatch):
+  """model.moe_tensor=experts on expert 2 × tensor 2: the routed experts' weights lie whole on expert × tensor
+  (P = 4 shards of E/4 experts) and each device dispatches its half of the tokens' length; split (the default)
+  dispatches every token from both tensor ranks to P = 2 shards, each expert's hidden width halved."""
+  seen = []
+  real = experts.routed
+  monkeypatch.setattr(experts, "routed", lambda x, idx, *a: seen.append((idx.shape[0], a[-1])) or real(x, idx, *a))
+  for mode, tensor_splits_tokens in (("split", False), ("experts", True)):
+    seen.clear()
+    cfg = load_config("tiny-v3", MOE_ONLY, "mesh.data=-1", "mesh.expert=2", "mesh.tensor=2",
+                      f"model.moe_tensor={mode}")
+    mesh = make_mesh(cfg)
+    trainer = step_lib.make_trainer(cfg, mesh)
+    with jax.set_mesh(mesh):
+      step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, next(global_batches(cfg, mesh)))
+    sizes = dict(mesh.shape)
+    tokens = cfg.train.batch_size * cfg.train.seq_len // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    want = (tokens // 2, 4) if tensor_splits_tokens else (tokens, 2)
+    assert seen and set(seen) == {want}, (mode, set(seen), want)
+    gate = next(s.spec for p, s in jax.tree_util.tree_flatten_with_path(trainer.state_shardings.params)[0]
+                if "w_gate_EDM" in jax.tree_util.keystr(p))
+    want_spec = (("expert", "tensor"), "fsdp", None) if tensor_splits_tokens else ("expert", "fsdp", "tensor")
+    assert tuple(gate[1:]) == want_spec, (mode, gate)
 
 
 @pytest.mark.parametrize("name", ["expert1", "expert2", "expert8"])
@@ -717,13 +747,16 @@ def test_two_stage_sends_at_most_the_nodes_a_token_reaches():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunks, factor", [(1, 2.0), (2, 2.0), (1, 0.5)])
-def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch, chunks, factor):
+@pytest.mark.parametrize("chunks, factor, shards", [(1, 2.0, "expert8"), (2, 2.0, "expert8"), (1, 0.5, "expert8"),
+                                                  (1, 2.0, "e4t2-experts")])
+def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch, chunks, factor, shards):
   """Five training steps of tiny-v3 (group-limited routing: a token's experts lie in at most 2 of the 4 groups) on
   expert=8 as 2 nodes × 4 (mesh.devices_per_node=4), model.moe_dispatch=two_stage with the exchanges emulated,
   also with each device's tokens in 2 chunks (model.moe_overlap_chunks=2, how DeepSeek-V3's layout fits), and
-  with receive buffers of half the average rows (model.moe_recv_factor=0.5: both stages take further rounds):
-  losses, gradient norms and correction biases are the single-device run's; the start-up line names it."""
+  with receive buffers of half the average rows (model.moe_recv_factor=0.5: both stages take further rounds), and
+  on expert 4 × tensor 2 with the tensor ranks as expert shards (model.moe_tensor=experts: 8 shards over expert ×
+  tensor, each device dispatching half of its tokens' length): losses, gradient norms and correction biases are
+  the single-device run's; the start-up line names it."""
   monkeypatch.setattr(experts.choice, "dispatch_kind", lambda setting, where=None: setting)
   monkeypatch.setattr(experts, "experts_two_stage", functools.partial(
       experts.experts_two_stage, exchange=grouped_ragged_all_to_all))
@@ -731,12 +764,14 @@ def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatc
   real = experts.experts_two_stage
   monkeypatch.setattr(experts, "experts_two_stage", lambda *a, **k: calls.append((*a[5:7], a[0].shape[0])) or
                       real(*a, **k))
-  cfg = load_config("tiny-v3", MOE_ONLY, "mesh.data=-1", "mesh.expert=8", "mesh.devices_per_node=4",
+  layout = ("mesh.expert=8",) if shards == "expert8" else ("mesh.expert=4", "mesh.tensor=2", "model.moe_tensor=experts")
+  cfg = load_config("tiny-v3", MOE_ONLY, "mesh.data=-1", *layout, "mesh.devices_per_node=4",
                     "model.moe_dispatch=two_stage", f"model.moe_overlap_chunks={chunks}",
                     f"model.moe_recv_factor={factor}")
   mesh = make_mesh(cfg)
-  assert experts.node_shards(mesh, 4) == 4
-  assert "two-stage (node-limited) over expert=8 as 2 nodes × 4" in experts.dispatch_summary(
+  assert experts.node_shards(mesh, 4, experts.expert_axes(cfg.model)) == 4
+  over = "expert=8" if shards == "expert8" else "expert × tensor = 8 (model.moe_tensor=experts)"
+  assert f"two-stage (node-limited) over {over} as 2 nodes × 4" in experts.dispatch_summary(
       cfg, dict(mesh.shape), "gpu", node=4)
   trainer, state = step_lib.init_state(cfg, mesh)
   state, records = run_steps(cfg, mesh, trainer, state, global_batches(cfg, mesh), STEPS)

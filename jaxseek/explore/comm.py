@@ -316,8 +316,9 @@ def expert_exchange(cfg, sizes: dict[str, int], hw: Hardware, platform: str = "g
   m = cfg.model
   if not m.is_moe:
     return None
-  P, K = sizes["expert"], m.num_experts_per_tok
   side, first = _exchange_sides(cfg, sizes, platform)
+  sizes = em.moe_sizes(cfg, sizes)  # model.moe_tensor=experts: the tensor ranks are expert shards
+  P, K = sizes["expert"], m.num_experts_per_tok
   if first is None:
     return None
   roles = [r for r in ("first", "last") if r in side]
@@ -360,7 +361,7 @@ def _exchange_sides(cfg, sizes: dict[str, int], platform: str) -> tuple[dict[str
   """The one-stage exchange's rows, bytes and ops per role (the stage that runs the layers: all, first, last),
   and the first MoE layer run's dispatch (None without one)."""
   m = cfg.model
-  P, K, D, micro = sizes["expert"], m.num_experts_per_tok, m.hidden_size, cfg.train.microbatches
+  P, K, D, micro = em.moe_sizes(cfg, sizes)["expert"], m.num_experts_per_tok, m.hidden_size, cfg.train.microbatches
   passes = 3 if cfg.train.remat == "full" else 2
   leave = (P - 1) / P
   side: dict[str, dict[str, float]] = {}

@@ -118,7 +118,7 @@ def mesh_sizes(cfg: Config, devices: int | None) -> dict[str, int]:
 
 def plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str = "gpu") -> dict[str, Any]:
   """The whole analysis of one mesh as a JSON-ready dict (schema in docs/explore.md)."""
-  with rules_lib.sequence_parallel(model.cfg.mesh.sequence_parallel):  # the activation rules the step uses
+  with rules_lib.layout(model.cfg):  # the activation rules the step uses
     return _plan(model, sizes, hw, platform)
 
 
@@ -164,7 +164,8 @@ def _plan(model: Model, sizes: dict[str, int], hw: Hardware, platform: str) -> d
       "parameters": _ordered(layout_lib.parameter_rows(model, sizes)),
       "optimizer": _ordered(layout_lib.optimizer_rows(model, sizes)),
       "activations": memory_lib.activation_rows(cfg, sizes, platform,
-                                                memory_lib.expert_node(sizes, hw.devices_per_node)),
+                                                memory_lib.expert_node(memory_lib.moe_sizes(cfg, sizes),
+                                                                       hw.devices_per_node)),
       "memory_per_device": memory["bytes"],
       "memory": {"stage": memory["stage"], "stages": memory["stages"], "layers_on_stage": memory["layers_on_stage"],
                  "fits": memory["bytes"]["total"] <= usable, "platform": platform},

@@ -178,6 +178,14 @@ def packed_row_bytes(D: int) -> int:
   return D + -(-D // FP8_TILE) * 4
 
 
+def moe_sizes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
+  """The mesh as the routed experts use it: with model.moe_tensor=experts the tensor ranks are expert shards
+  (expert × tensor, each expert whole) and take their share of the tokens (as the batch axes would)."""
+  if not cfg.model.is_moe or cfg.model.moe_tensor != "experts" or sizes.get("tensor", 1) == 1:
+    return sizes
+  return {**sizes, "expert": sizes["expert"] * sizes["tensor"], "tensor": 1}
+
+
 def expert_node(sizes: dict[str, int], devices_per_node: int | None) -> int | None:
   """The expert-axis shards in one node where the axis spans nodes (the axes inside it, context and tensor, fill
   a node first), else None."""
@@ -195,10 +203,12 @@ def shards_per_node(sizes: dict[str, int], devices_per_node: int) -> int:
 def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str, node: int | None = None) -> Dispatch:
   """The exchange of one MoE layer run on `batch` rows (split over the batch axes and context); `node`: the
   expert shards a node holds where the axis spans nodes (`expert_node`)."""
-  m, a = cfg.model, activation_itemsize(cfg, platform)
-  P, D, K = sizes["expert"], m.hidden_size, m.num_experts_per_tok
+  m, a, moe = cfg.model, activation_itemsize(cfg, platform), moe_sizes(cfg, sizes)
+  P, D, K = moe["expert"], m.hidden_size, m.num_experts_per_tok
   e = -(-m.n_routed_experts // P)
-  x = -(-batch // batch_shards(sizes)) * -(-cfg.train.seq_len // sizes["context"])
+  # the tokens' length split over context, and over tensor where its ranks are expert shards
+  length = sizes["context"] * (P // sizes["expert"])
+  x = -(-batch // batch_shards(sizes)) * -(-cfg.train.seq_len // length)
   cap = exchange.capacity(x, K, P, e, m.moe_capacity_factor)
   dtype = m.moe_dispatch_dtype or cfg.train.compute_dtype
   out_row = packed_row_bytes(D) if dtype.startswith("float8") else D * a
@@ -223,7 +233,7 @@ def dispatch_tensors(cfg: Config, sizes: dict[str, int], batch: int, platform: s
   copies at a time."""
   m, a, c = cfg.model, activation_itemsize(cfg, platform), ex.ITEMSIZE[cfg.train.compute_dtype]
   d = dispatch(cfg, sizes, batch, platform, node)
-  e, mm, D = d.local_experts, -(-m.moe_intermediate_size // sizes["tensor"]), m.hidden_size
+  e, mm, D = d.local_experts, -(-m.moe_intermediate_size // moe_sizes(cfg, sizes)["tensor"]), m.hidden_size
   R, J, none = d.received, d.window or d.sent, (None, None)
   fp8 = d.dtype.startswith("float8")
   packed = packed_row_bytes(D)
@@ -378,7 +388,8 @@ def memory(model: ex.Model, sizes: dict[str, int], platform: str = "gpu",
   tail = (B // M, inner) if one_f_one_b else (outer_batch, outer)
   runs.append((cfg.model.num_nextn_predict_layers, cfg.model.is_moe, *tail))
   head = _split(head_tensors(cfg, *tail), sizes)[0]
-  out.update(_activations(cfg, [r for r in runs if r[0]], head, platform, expert_node(sizes, devices_per_node)))
+  out.update(_activations(cfg, [r for r in runs if r[0]], head, platform, expert_node(moe_sizes(cfg, sizes),
+                                                                                          devices_per_node)))
   out["activations"] += kept
   if cfg.train.grad_compression != "none" and sizes["data"] > 1:  # the error-feedback residual, float32
     out["gradients"] += state["params"] * 4 // ex.ITEMSIZE[cfg.train.param_dtype]
@@ -435,7 +446,7 @@ def backward_dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: 
   if not d.window:
     return sum(t.bytes(sizes) * t.copies * (1 if t.name in FORWARD_ONLY else 2) for t in moe)
   a, D = activation_itemsize(cfg, platform), cfg.model.hidden_size
-  mm = -(-cfg.model.moe_intermediate_size // sizes["tensor"])
+  mm = -(-cfg.model.moe_intermediate_size // moe_sizes(cfg, sizes)["tensor"])
   fixed = sum(t.bytes(sizes) * t.copies for t in moe if t.name in ("router scores", "expert weights (gathered)"))
   return fixed + a * (WINDOW_ROWS * d.window * D + NODE_ROWS * d.node_received * D + WINDOW_HIDDEN * d.window * mm)
 

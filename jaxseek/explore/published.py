@@ -44,14 +44,20 @@ def published_step(run: dict[str, Any]) -> float:
 def settings(run: dict[str, Any]) -> tuple[str, list[str], list[str]]:
   """(config file, overrides, what differs from the published run) for jaxseek's nearest layout of `run`."""
   tp, pp, vp, ep, cp = run["tp"], run["pp"], run.get("vp", 1), run.get("ep", 1), run.get("cp", 1)
-  data = run["gpus"] // (tp * pp * ep * cp)
+  # Megatron's expert tensor parallel size 1 with tp > 1: its tp ranks are expert ranks too, as jaxseek's
+  # model.moe_tensor=experts makes them (the expert axis then holds ep / tp of the ep expert shards)
+  whole = run["model"] == "deepseek-v3" and tp > 1 and run.get("etp", tp) == 1 and ep % tp == 0
+  expert = ep // tp if whole else ep
+  data = run["gpus"] // (tp * pp * expert * cp)
   differs = []
   batch = run["global_batch"]
-  split = data * ep * cp
+  split = data * expert * cp
   micro = batch // (split * run["micro_batch"]) if run.get("micro_batch") else 60
-  over = [f"mesh.pipeline={pp}", f"mesh.tensor={tp}", f"mesh.expert={ep}", f"mesh.context={cp}", f"mesh.data={data}",
-          "mesh.fsdp=1", f"train.batch_size={batch}", f"train.seq_len={run['seq_len']}", "mesh.allow_cross_host=true",
-          "train.compute_dtype=bfloat16", f"train.fp8={RECIPES[run['precision']]}"]
+  over = [f"mesh.pipeline={pp}", f"mesh.tensor={tp}", f"mesh.expert={expert}", f"mesh.context={cp}",
+          f"mesh.data={data}", "mesh.fsdp=1", f"train.batch_size={batch}", f"train.seq_len={run['seq_len']}",
+          "mesh.allow_cross_host=true", "train.compute_dtype=bfloat16", f"train.fp8={RECIPES[run['precision']]}"]
+  if whole:
+    over.append("model.moe_tensor=experts")
   if run["precision"] == "fp8-blockwise":
     differs.append("FP8 rowwise (jaxseek's blockwise is emulated: no FP8 GEMM on Hopper takes 128-element scales)")
   if tp > 1:

@@ -128,13 +128,14 @@ def routed_experts(x_BTD, valid_BT, w: ExpertWeights, routing: Routing, settings
 
   Only the statistics and the expert-axis exchange (`sharding/experts.py`, as `settings` say) cross shards:
   expert loads and dropped copies are summed over the whole batch, per-sequence balance sums over the length
-  axis, tensor-parallel partial outputs are all-reduced. Returns y [B, T, D], load [E] (tokens per expert over
+  axis, tensor-parallel partial outputs are all-reduced (model.moe_tensor=split; with experts each tensor rank
+  takes its share of the length, and its experts whole). Returns y [B, T, D], load [E] (tokens per expert over
   the global batch), balance loss per sequence [B], dropped (token copies over capacity, summed over the global
   batch) [], extra (token copies that went in extra rounds of the exchange, summed likewise) []. `fp8_inputs`: the tokens the experts see are rounded to FP8 (1×128 tiles); the router sees them
   unrounded.
   """
   mesh = rules.has_mesh()
-  batch_axes, length_axes = rules.mesh_axes("batch"), rules.mesh_axes("length")
+  batch_axes, length_axes = rules.mesh_axes("batch"), rules.mesh_axes("expert_length")
   tensor_axes, shards = rules.mesh_axes("expert_mlp"), experts.shard_count()
   psum = lambda x, axes: jax.lax.psum(x, axes) if mesh and axes else x
 
@@ -160,8 +161,9 @@ def routed_experts(x_BTD, valid_BT, w: ExpertWeights, routing: Routing, settings
   spec = rules.activation_spec
   w_in, w_out = spec(("experts", None, "expert_mlp")), spec(("experts", "expert_mlp", None))
   w_specs = ExpertWeights(spec(()), spec(()), w_in, w_in, w_out)
-  return jax.shard_map(local, in_specs=(spec(("batch", "length", None)), spec(("batch", "length")), w_specs),
-                       out_specs=(spec(("batch", "length", None)), spec(()), spec(("batch",)), spec(()), spec(())),
+  tokens = ("batch", "expert_length")  # with model.moe_tensor=experts the length is split over tensor too
+  return jax.shard_map(local, in_specs=(spec((*tokens, None)), spec(tokens), w_specs),
+                       out_specs=(spec((*tokens, None)), spec(()), spec(("batch",)), spec(()), spec(())),
                        check_vma=experts.typed_axes_hold(settings, w.gate_EDM))(x_BTD, valid_BT, w)
 
 

@@ -119,20 +119,27 @@ class Settings:
     return spans and self.capacity_factor is None and kind == "two_stage"
 
 
-def node_shards(mesh: jax.sharding.Mesh, devices_per_node: int | None = None) -> int | None:
-  """The expert shards per node of `mesh` (consecutive along the expert axis), None where every expert group
-  stays in one node. Nodes: `devices_per_node` consecutive devices in the mesh's order (mesh.devices_per_node),
-  else the processes' hosts (sharding/mesh.py)."""
+def expert_axes(cfg: ModelConfig) -> tuple[str, ...]:
+  """The mesh axes the routed experts are split over: expert, and tensor with model.moe_tensor=experts."""
+  return ("expert", "tensor") if cfg.moe_tensor == "experts" else ("expert",)
+
+
+def node_shards(mesh: jax.sharding.Mesh, devices_per_node: int | None = None,
+                axes: tuple[str, ...] = ("expert",)) -> int | None:
+  """The expert shards per node of `mesh` (consecutive along the expert axes `axes`, in order), None where every
+  expert group stays in one node. Nodes: `devices_per_node` consecutive devices in the mesh's order
+  (mesh.devices_per_node), else the processes' hosts (sharding/mesh.py)."""
   from jaxseek.sharding import mesh as mesh_lib
 
   grid = mesh.devices
-  P = grid.shape[list(mesh.axis_names).index("expert")]
+  names = list(mesh.axis_names)
+  P = math.prod(grid.shape[names.index(a)] for a in axes)
   if devices_per_node:
     node_of = {d.id: i // devices_per_node for i, d in enumerate(grid.flat)}
   else:
     nodes = mesh_lib.process_nodes()
     node_of = {d.id: nodes.get(d.process_index, d.process_index) for d in grid.flat}
-  groups = np.moveaxis(grid, list(mesh.axis_names).index("expert"), -1).reshape(-1, P)
+  groups = np.moveaxis(grid, [names.index(a) for a in axes], list(range(-len(axes), 0))).reshape(-1, P)
   runs = {tuple(np.unique([node_of[d.id] for d in group], return_counts=True)[1]) for group in groups}
   if len(runs) != 1 or len(set(next(iter(runs)))) != 1:
     return None  # nodes cut the expert groups unevenly: one stage
@@ -484,16 +491,18 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
   m, t = cfg.model, cfg.train
   if not m.is_moe:
     return "MoE dispatch: none (dense model)"
-  P, K = sizes.get("expert", 1), m.num_experts_per_tok
+  on_tensor = sizes.get("tensor", 1) if m.moe_tensor == "experts" else 1  # tensor ranks as expert shards
+  P, K = sizes.get("expert", 1) * on_tensor, m.num_experts_per_tok
   if P == 1:
     return f"MoE dispatch: none (mesh.expert=1: all {m.n_routed_experts} experts on every device)"
-  x = (t.batch_size // t.microbatches // (sizes.get("data", 1) * sizes.get("fsdp", 1) * P)
-       * t.seq_len // sizes.get("context", 1))
+  x = (t.batch_size // t.microbatches // (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1))
+       * t.seq_len // sizes.get("context", 1) // on_tensor)
+  over = f"expert × tensor = {P} (model.moe_tensor=experts)" if on_tensor > 1 else f"expert={P}"
   cap = capacity(x, K, P, m.n_routed_experts // P, m.moe_capacity_factor)
   rows = f"{m.moe_dispatch_dtype} rows with float32 scales per 128 channels" if m.moe_dispatch_dtype else \
       f"{t.compute_dtype} rows"
   if choice.dispatch_kind(m.moe_dispatch, where) == "fixed":
-    return (f"MoE dispatch: fixed all_to_all over expert={P}, {P} × {cap} = {P * cap} rows per device for "
+    return (f"MoE dispatch: fixed all_to_all over {over}, {P} × {cap} = {P * cap} rows per device for "
             f"K·x = {K * x} token copies; {rows}, results back in {t.compute_dtype}")
   recv, settings = receive_rows(x, K, P, cap, m.moe_recv_factor), Settings.from_config(m, node)
   chunks = settings.chunk_count(x)
@@ -501,7 +510,7 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
            f"and combine can run beside another's expert GEMMs (model.moe_overlap_chunks)") if chunks > 1 else ""
   if settings.two_stage(P, where):
     reach = settings.nodes_reached(P, K)
-    return (f"MoE dispatch: two-stage (node-limited) over expert={P} as {P // node} nodes × {node}: each token's "
+    return (f"MoE dispatch: two-stage (node-limited) over {over} as {P // node} nodes × {node}: each token's "
             f"row crosses to a node at most once (≤ {reach} rows a token instead of its {K} copies) into a receive "
             f"buffer of {settings.node_rows(x, P, reach)} rows a round, then fans out within the node into a "
             f"receive buffer of {recv} rows a round (further rounds past either, none dropped); the node's sums "
@@ -511,7 +520,7 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
     spans = f"the expert axis's {P} shards lie within one node" if node is None or node >= P else \
         f"{node} devices a node do not split the expert axis's {P} shards into whole nodes"
     instead = f" (model.moe_dispatch=two_stage runs as this one-stage exchange: {spans})"
-  return (f"MoE dispatch: ragged_all_to_all over expert={P}, exactly the K·x = {K * x} token copies per device "
+  return (f"MoE dispatch: ragged_all_to_all over {over}, exactly the K·x = {K * x} token copies per device "
           f"into a receive buffer of {recv} rows a round (model.moe_recv_factor={m.moe_recv_factor:g}: one round "
           f"from {min(P, m.n_routed_experts / K):g}, further rounds past it, none dropped); {rows}, results back in "
           f"{t.compute_dtype}{split}{instead}")

@@ -47,8 +47,13 @@ ZERO1_PARAM_RULES: Rules = {**PARAM_RULES, "embed": ()}
 
 
 def state_rules(kind: str, zero: int) -> Rules:
-  """The parameter rules for one part of the train state: "params" / "biases" or "opt_state"."""
-  return ZERO1_PARAM_RULES if zero == 1 and kind != "opt_state" else PARAM_RULES
+  """The parameter rules for one part of the train state: "params" / "biases" or "opt_state" (with the routed
+  experts over expert × tensor inside `layout` of model.moe_tensor=experts)."""
+  base = ZERO1_PARAM_RULES if zero == 1 and kind != "opt_state" else PARAM_RULES
+  return {**base, **_EXPERT_PARAMS} if _EXPERTS_ON_TENSOR.get() else base
+
+
+_EXPERT_PARAMS: Rules = {"experts": ("expert", "tensor"), "expert_mlp": ()}
 
 
 ACTIVATION_RULES: Rules = {
@@ -61,12 +66,16 @@ ACTIVATION_RULES: Rules = {
     "mlp": ("tensor",),
     "expert_mlp": ("tensor",),
     "experts": ("expert",),
+    "expert_length": ("context",),  # the tokens' length where the routed experts take them (sharding/experts.py)
     "data_shards": ("data",),  # the leading axis of per-data-shard values (compressed gradient sums)
 }
 
+# model.moe_tensor=experts: the tensor ranks hold other experts, whole, and take their share of the tokens' length
+EXPERTS_ON_TENSOR: Rules = {"experts": ("expert", "tensor"), "expert_mlp": (), "expert_length": ("context", "tensor")}
+
 # Every logical name the model may use; those absent from a table are replicated.
 LOGICAL_AXES = frozenset(
-    {"batch", "length", "residual_length", "embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp",
+    {"batch", "length", "residual_length", "expert_length", "embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp",
      "expert_mlp", "experts", "layers", "stages", "data_shards"})
 
 
@@ -84,6 +93,20 @@ def spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
 
 
 _SEQUENCE_PARALLEL: contextvars.ContextVar[bool] = contextvars.ContextVar("sequence_parallel", default=False)
+_EXPERTS_ON_TENSOR: contextvars.ContextVar[bool] = contextvars.ContextVar("experts_on_tensor", default=False)
+
+
+@contextlib.contextmanager
+def layout(cfg):
+  """While tracing inside (and building the state's shardings), the rules of `cfg`'s layout: the residual stream
+  split on its length over tensor too (mesh.sequence_parallel), the routed experts over expert × tensor
+  (model.moe_tensor=experts)."""
+  token = _EXPERTS_ON_TENSOR.set(cfg.model.is_moe and cfg.model.moe_tensor == "experts")
+  try:
+    with sequence_parallel(cfg.mesh.sequence_parallel):
+      yield
+  finally:
+    _EXPERTS_ON_TENSOR.reset(token)
 
 
 @contextlib.contextmanager
@@ -98,10 +121,13 @@ def sequence_parallel(on: bool):
 
 def activation_rules() -> Rules:
   """The activation table in force: ACTIVATION_RULES, with "residual_length" also on tensor under sequence
-  parallelism."""
+  parallelism, and EXPERTS_ON_TENSOR's entries under model.moe_tensor=experts (`layout`)."""
+  out = ACTIVATION_RULES
   if _SEQUENCE_PARALLEL.get():
-    return {**ACTIVATION_RULES, "residual_length": ("context", "tensor")}
-  return ACTIVATION_RULES
+    out = {**out, "residual_length": ("context", "tensor")}
+  if _EXPERTS_ON_TENSOR.get():
+    out = {**out, **EXPERTS_ON_TENSOR}
+  return out
 
 
 _RESERVED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("reserved_axes", default=frozenset())
@@ -138,14 +164,15 @@ def activation_spec(names: tuple[str | None, ...]) -> PartitionSpec:
 
 
 def param_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
-               mesh: jax.sharding.Mesh | None = None, rules: Rules = PARAM_RULES) -> PartitionSpec:
+               mesh: jax.sharding.Mesh | None = None, rules: Rules | None = None) -> PartitionSpec:
   """A parameter's PartitionSpec. With a pipeline axis > 1 in `mesh`, a layer stack whose layer count it
   divides is split into stages along it (jaxseek.pipeline runs those stacks as a pipeline); every
   other parameter (embedding, head, final norm, a stack that is not pipelined, MTP) is split over the stages
   on its model dimension ("embed", after fsdp) where that divides: stored, with its gradient and optimiser
   state, 1/S on each stage instead of whole on every one, and gathered over `pipeline` once per step where the
-  schedule starts (ZeRO-3 over the stages; its gradient is reduce-scattered there once per step)."""
-  out = spec(names, rules)
+  schedule starts (ZeRO-3 over the stages; its gradient is reduce-scattered there once per step). `rules`: the
+  parameter rules in force (`state_rules("params", 3)`) by default."""
+  out = spec(names, state_rules("params", 3) if rules is None else rules)
   stages = mesh.shape.get("pipeline", 1) if mesh is not None else 1
   if stages > 1 and names and names[0] == "layers" and shape is not None and shape[0] % stages == 0:
     out = PartitionSpec("pipeline", *out[1:])
@@ -170,9 +197,10 @@ def _over_stages(out: PartitionSpec, names: tuple[str | None, ...], shape: tuple
   return out
 
 
-def mesh_axes(name: str, rules: Rules = ACTIVATION_RULES) -> tuple[str, ...]:
-  """The mesh axes a logical activation axis is split over (for collectives inside shard_map)."""
-  return _automatic(rules).get(name, ())
+def mesh_axes(name: str, rules: Rules | None = None) -> tuple[str, ...]:
+  """The mesh axes a logical activation axis is split over (for collectives inside shard_map), by the table in
+  force (`activation_rules`) unless `rules` is given."""
+  return _automatic(activation_rules() if rules is None else rules).get(name, ())
 
 
 def split_axes(name: str) -> tuple[str, ...]:
@@ -203,9 +231,10 @@ def logical_axes(state) -> object:
   return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state, is_leaf=is_variable)
 
 
-def param_shardings(state, mesh: jax.sharding.Mesh, rules: Rules = PARAM_RULES):
-  """NamedShardings for every Variable of an (abstract) nnx State, from its logical axes."""
-  if rules is PARAM_RULES:
+def param_shardings(state, mesh: jax.sharding.Mesh, rules: Rules | None = None):
+  """NamedShardings for every Variable of an (abstract) nnx State, from its logical axes (by default the
+  parameter rules in force, split over the pipeline stages as `param_spec` does)."""
+  if rules is None:
     make = lambda v: param_spec(v.get_metadata()["logical_axes"], v.shape, mesh)
   else:
     make = lambda v: spec(v.get_metadata()["logical_axes"], rules)
