@@ -73,6 +73,12 @@ BAD_INPUT = [
      "use a divisor of 2"),
     (["model.moe_dispatch_dtype=float16"], "config key model.moe_dispatch_dtype: 'float16' is not one of",
      "'float8_e4m3fn'"),
+    (["mesh.data=1", "mesh.expert=4", "mesh.tensor=2", "model.moe_tensor=experts", "model.n_routed_experts=4",
+      "model.n_group=1", "model.topk_group=1"],
+     "config key model.n_routed_experts: 4 is not divisible by mesh.expert=4 × mesh.tensor=2", "change the mesh"),
+    (["mesh.data=4", "mesh.tensor=2", "model.moe_tensor=experts", "train.seq_len=23"],
+     "train.seq_len: 23 tokens are not divisible by mesh.context × mesh.tensor (model.moe_tensor=experts)", "change"),
+    (["model.moe_tensor=whole"], "config key model.moe_tensor: 'whole' is not one of", "'experts'"),
     # the eval section
     (["eval.source=holdout", "eval.holdout=1.5"], "config key eval.holdout: 1.5 must be between 0 and 1", "0.01"),
     (["eval.holdout=0.1"], "config key eval.holdout: 0.1 needs eval.source=holdout", "None"),
