@@ -267,9 +267,10 @@ class TrainConfig:
   # zb_h1 / zbv: the most stashes (what a W reads, kept from its b) a stage keeps; fewer cost memory, more fill
   # bubbles. 0: zbv S (pipeline stages), zb_h1 the fewest its fastest order needs
   pipeline_stashes: int = 0
-  # zb_h1 / zbv / dualpipev: true, b recomputes the chunk's forward from its kept input (1F1B's memory, b costs
-  # two forwards); false, F keeps the forward's residuals for b (F = b = W, the orders' unit bubbles, a chunk's
-  # activations kept per microbatch in flight)
+  # table schedules: true, the backward recomputes the chunk's forward from its kept input (the least memory; b
+  # costs two forwards); false, the forward keeps its residuals for the backward (zb_h1 / zbv / dualpipev: F = b =
+  # W, the orders' unit bubbles; 1f1b / interleaved_1f1b: no forward run twice, Megatron's default), a chunk's
+  # activations kept per microbatch in flight
   pipeline_recompute: bool = True
   # 1f1b / interleaved_1f1b: a tick whose forward and backward do not wait for each other runs both side by side in
   # one program (their chunks' layers unrolled), so each one's expert exchange can run beside the other's compute
@@ -773,10 +774,13 @@ def _check_train(cfg: Config) -> None:
     raise UserError(f"config key train.pipeline_stashes: {t.pipeline_stashes} caps the stashes of zb_h1 and zbv "
                     f"(a count ≥ 1, or 0 for the order's own); train.pipeline_schedule={t.pipeline_schedule} keeps "
                     f"its own, set 0")
-  if not t.pipeline_recompute and t.pipeline_schedule not in ("zb_h1", "zbv", "dualpipev"):
-    raise UserError(f"config key train.pipeline_recompute: false keeps the forward's residuals for the split "
-                    f"backward of zb_h1, zbv and dualpipev; train.pipeline_schedule={t.pipeline_schedule} recomputes, "
-                    f"set true")
+  if not t.pipeline_recompute and t.pipeline_schedule in ("gpipe", "circular"):
+    raise UserError(f"config key train.pipeline_recompute: false keeps the forward's residuals for the backward of "
+                    f"a table schedule (1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev); train.pipeline_schedule="
+                    f"{t.pipeline_schedule} keeps every microbatch's activations already, set true")
+  if not t.pipeline_recompute and t.pipeline_overlap:
+    raise UserError("config key train.pipeline_overlap: true pairs a tick's forward with a backward that "
+                    "recomputes its chunk; with train.pipeline_recompute=false set train.pipeline_overlap=false")
   if t.pipeline_overlap and t.pipeline_schedule not in PAIRED_SCHEDULES:
     raise UserError(f"config key train.pipeline_overlap: true runs a tick's forward beside its backward, and "
                     f"train.pipeline_schedule={t.pipeline_schedule} has no such ticks; use "

@@ -130,3 +130,23 @@ def test_predictions_against_published_runs_hold_the_documented_table():
     if lo <= documented[name] <= hi:
       assert lo <= r["ratio"] <= hi, (name, r["ratio"])
   assert math.isclose(published.published_step(next(r for r in published.runs() if r["hardware"] == "h800")), 19.9)
+
+
+def test_a_published_layout_left_open_is_planned_both_ways_and_the_faster_kept():
+  """Megatron's DeepSeek-V3 on 256 B200 (EP 32 over 4 nodes) leaves jaxseek two ways near its all-to-all overlap:
+  paired ticks (a recomputing backward beside a forward) or 1F1B keeping the forward's residuals. `check` plans
+  both and keeps the faster that fits; each is what the explorer predicts for those overrides."""
+  from jaxseek import config as config_lib
+
+  run = next(r for r in published.runs() if r["name"] == "megatron-bridge-dsv3-b200-256-mxfp8")
+  path, over, _ = published.settings(run)
+  steps = {}
+  for extra, why in published.variants(run, over):
+    cfg = config_lib.load(path, over + extra)
+    plan = explore.plan(explore.describe(cfg), explore.mesh_sizes(cfg, run["gpus"]), explore.hardware("b200-180g"))
+    steps[tuple(extra)] = (plan["prediction"]["step_s"], plan["memory"]["fits"], why)
+  assert len(steps) == 2 and all(fits for _, fits, _ in steps.values())
+  chosen = published.check(run)
+  best = min(steps, key=lambda k: steps[k][0])
+  assert chosen["predicted_s"] == pytest.approx(steps[best][0]) and set(best) <= set(chosen["overrides"])
+  assert steps[best][2] in chosen["differs"]

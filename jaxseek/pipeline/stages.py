@@ -264,9 +264,9 @@ def compare(cfg: Config, stages: int, layer_flops: float | None = None) -> list[
   for schedule, R in TABLE_SCHEDULES:
     if not n or stack_repeats(n, stages, R) != R:
       continue
-    for recompute in (True, False) if schedule in tables.SPLIT else (True,):
+    for recompute in (True, False):
       table = tables.table(schedule, stages, M, R, recompute=recompute)
-      unit = unit_bubble(schedule, stages, M)[0] if table.split else table.bubble()
+      unit = unit_bubble(schedule, stages, M)[0] if schedule in tables.SPLIT else table.bubble()
       chunk = stored_layers(n, stages, R) // (stages * R)
       ops = {k: int((table.steps[f"{k}_micro"][:, 0] >= 0).sum()) for k in ("f", "b", "w")
              if f"{k}_micro" in table.steps}
@@ -303,20 +303,23 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
                 "zbv": "ZB-V, 2 chunks on a V, backward split into b and W",
                 "zb_h1": "ZB-H1, backward split into b and W"}.get(
         name, "1F1B" if r <= 1 else f"interleaved 1F1B, {r} chunks")
-    stash = f" + {table.stash_slots} stashes for W" if table.split else ""
+    whole = name in tables.WHOLE_BACKWARD  # 1F1B: a kept forward's backward runs b and W in one tick
+    stash = f" + {table.stash_slots} stashes for W" if table.split and not whole else ""
     keeps = (f"{table.slots} microbatch stage inputs + {table.grad_slots} cotangents{stash} kept per stage, layers "
              f"recomputed in the backward; head and loss on the {'first' if v else 'last'} stage")
     if table.residual_slots:
       keeps = (f"{table.residual_slots} chunks' forward residuals + {table.slots} stage inputs + "
                f"{table.grad_slots} cotangents{stash} kept per stage (no recomputation); head and loss on the "
                f"{'first' if v else 'last'} stage")
-      closed = unit_bubble(name, stages, M, cfg.train.pipeline_stashes)[1]
-      formula = f"of the table run (F=b=W=1{'; ' + closed if closed else ''})"
+      if not whole:
+        closed = unit_bubble(name, stages, M, cfg.train.pipeline_stashes)[1]
+        formula = f"of the table run (F=b=W=1{'; ' + closed if closed else ''})"
     elif table.split:
       unit, closed = unit_bubble(name, stages, M, cfg.train.pipeline_stashes)
       formula = (f"of the table run (F=1, b=2 as it recomputes the forward, W=1; at F=b=W=1 "
                  f"{closed + ' = ' if closed else ''}{100 * unit:.1f}%)")
-    idle = bubble(name, stages, M, r) if not table.split and (M % stages == 0 or r <= 1) else table.bubble()
+    idle = bubble(name, stages, M, r) if (not table.split or whole) and (M % stages == 0 or r <= 1) else \
+        table.bubble()
     if tables.pairs(cfg) and table.paired().any():
       keeps += (f"; {100 * table.paired().mean():.0f}% of a stage's ticks run a "
                 f"forward beside a backward in one program (train.pipeline_overlap: each exchange beside the other's "

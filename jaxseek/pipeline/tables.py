@@ -42,6 +42,9 @@ LOSS, READ, LATE = 0.3, 0.5, 0.9  # where in a tick a buffer is written or read 
 STASH_WRITE, STASH_READ = 0.6, 0.8  # b writes its stash after the tick's reads; W reads it after that
 RESIDUAL_WRITE = 0.2  # F writes the forward's residuals (train.pipeline_recompute=false) before the loss
 SPLIT = ("zb_h1", "zbv", "dualpipev")  # the train.pipeline_schedule values whose tables split the backward
+# the table schedules whose backward stays whole: with train.pipeline_recompute=false their tables keep the
+# forward's residuals and run b and W of a chunk in one tick (`one_f_one_b`)
+WHOLE_BACKWARD = ("1f1b", "interleaved_1f1b")
 V_SHAPED = ("zbv", "dualpipev")  # two chunks a stage on a V (stage s: virtual stages s and 2S − 1 − s)
 
 
@@ -144,13 +147,13 @@ def for_config(cfg, S: int, R: int) -> Table:
 def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool = True,
           paired: bool = False) -> Table:
   """The table of schedule `name` (a train.pipeline_schedule value) for S stages, M microbatches, R rounds;
-  `recompute` (split tables): b recomputes the chunk's forward (orders packed for b costing two), else F keeps
-  the forward's residuals for b (the unit orders, F = b = W = 1); `paired` (1F1B): each backward a tick after
+  `recompute`: b recomputes the chunk's forward (split orders packed for b costing two), else F keeps the
+  forward's residuals for b (split: the unit orders, F = b = W = 1; 1F1B: b and W in one tick); `paired` (1F1B): each backward a tick after
   the loss, so the last stage's ticks pair too. Any other name (gpipe, circular: no table) raises ValueError."""
   if name in SPLIT:
     return from_order(zero_bubble_order(name, S, M, packed=recompute, stashes=stashes), kept=not recompute)
-  if name in ("1f1b", "interleaved_1f1b"):
-    return one_f_one_b(S, M, R, delay=int(paired))
+  if name in WHOLE_BACKWARD:
+    return one_f_one_b(S, M, R, delay=int(paired), kept=not recompute)
   raise ValueError(f"no table for schedule {name!r}; the table schedules are 1f1b, interleaved_1f1b, "
                    f"{', '.join(SPLIT)}")
 
@@ -193,13 +196,15 @@ def work_items(S: int, M: int, R: int) -> list[tuple[int, int] | None]:
   return items
 
 
-def one_f_one_b(S: int, M: int, R: int = 1, delay: int = 0) -> Table:
+def one_f_one_b(S: int, M: int, R: int = 1, delay: int = 0, kept: bool = False) -> Table:
   """The 1F1B table (interleaved over R chunks per stage when R > 1). Work item k = g·R·S + r·S + i of a stage
   is microbatch g·S + i in round r (microbatches go round in groups of S, as in the circular schedule); its
   forward runs on stage s at tick s + k, and its backward `delay` ticks after the last virtual stage has run the
   loss. With delay 1 (train.pipeline_overlap) the last stage runs a microbatch's backward beside the next one's
   forward instead of after it in the same tick, so every stage's steady ticks pair a forward with a backward that
-  does not wait for it (`Table.paired`), for one tick more and a stage input and a cotangent more kept."""
+  does not wait for it (`Table.paired`), for one tick more and a stage input and a cotangent more kept. `kept`
+  (train.pipeline_recompute=false): the forward keeps its residuals for the backward, which then recomputes
+  nothing and runs as b and W in the same tick (the split table's columns, W in b's tick)."""
   items = work_items(S, M, R)
   last = {m: k for k, item in enumerate(items) if item is not None for m, r in [item] if r == R - 1}
   f_tick, b_tick = {}, {}  # (m, v) → tick
@@ -210,7 +215,7 @@ def one_f_one_b(S: int, M: int, R: int = 1, delay: int = 0) -> Table:
         f_tick[m, r * S + s] = s + k
         b_tick[m, r * S + s] = (S - 1 + last[m]) + delay + (R * S - 1 - (r * S + s))
   virtual = np.arange(R)[None, :] * S + np.arange(S)[:, None]
-  return build(S, M, R, virtual, f_tick, b_tick)
+  return build(S, M, R, virtual, f_tick, b_tick, dict(b_tick) if kept else None, kept)
 
 
 def from_order(order: zero_bubble.Order, kept: bool = False) -> Table:
