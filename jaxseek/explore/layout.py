@@ -71,6 +71,11 @@ class Model:
     cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, **changes))
     return dataclasses.replace(self, cfg=cfg)
 
+  def with_model(self, **changes) -> "Model":
+    """The same model under other execution keys (config.EXECUTION_KEYS: no array changes)."""
+    cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, **changes))
+    return dataclasses.replace(self, cfg=cfg)
+
 
 def describe(cfg: Config) -> Model:
   """Builds the train state abstractly (nothing allocated) and records every leaf with its placement."""

@@ -254,6 +254,7 @@ def print_suggestions(rows: list[dict[str, Any]], out: Console | None = None) ->
                  "why it loses to #1")
   for r in rows:
     mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items() if n > 1) or "one device"
+    mesh += " (tensor ranks as expert shards)" if r.get("moe_tensor") == "experts" else ""
     table.add_row(str(r["rank"]), mesh, str(r["microbatches"]), r["remat"], human(r["memory_bytes"]),
                   seconds(r["predicted_step_s"]), seconds(r["step_time_s"]), r["why_not_first"])
   out.print(table)

@@ -35,10 +35,12 @@ class Candidate:
   step_s: float  # predicted at achieved rates
   parts: dict[str, float]  # seconds: the prediction's parts ("compute", "pipeline bubble", "exposed expert exchange", ...)
   bound_s: float = 0.0  # the bound at peak rates, nothing overlapped
+  moe_tensor: str | None = None  # model.moe_tensor where the search chose it (MoE, tensor > 1)
 
   def overrides(self) -> list[str]:
     return [f"mesh.{a}={self.sizes[a]}" for a in MESH_AXES] + [f"train.microbatches={self.microbatches}",
-                                                                f"train.remat={self.remat}"]
+                                                                f"train.remat={self.remat}"] + \
+        ([f"model.moe_tensor={self.moe_tensor}"] if self.moe_tensor else [])
 
 
 def meshes(cfg: Config, devices: int, hw: Hardware, pipeline: bool = False) -> Iterator[dict[str, int]]:
@@ -76,19 +78,35 @@ def microbatch_options(cfg: Config, sizes: dict[str, int]) -> list[int]:
 
 def evaluate(model: Model, sizes: dict[str, int], hw: Hardware, budget: int | None = None,
              platform: str = "gpu") -> Candidate | None:
-  """The fastest settings (remat, microbatches) with which `sizes` fits in `budget` bytes per device."""
+  """The fastest settings (remat, microbatches, and on an MoE mesh with tensor > 1 model.moe_tensor) with which
+  `sizes` fits in `budget` bytes per device."""
   budget = int(hw.memory_bytes * hw.usable_fraction) if budget is None else budget
   best = None
-  for remat in ("none", "full"):
-    for micro in microbatch_options(model.cfg, sizes):
-      candidate = measure(model.with_train(remat=remat, microbatches=micro), sizes, hw, platform)
-      if candidate.memory_bytes > budget:
-        continue
-      if best is None or candidate.step_s < best.step_s:
-        best = candidate
-      if sizes["pipeline"] == 1 or micro >= 4 * sizes["pipeline"]:
-        break  # more microbatches only repeat the weight collectives
+  for variant, moe_tensor in _moe_tensor_options(model, sizes):
+    for remat in ("none", "full"):
+      for micro in microbatch_options(model.cfg, sizes):
+        candidate = measure(variant.with_train(remat=remat, microbatches=micro), sizes, hw, platform)
+        candidate = dataclasses.replace(candidate, moe_tensor=moe_tensor)
+        if candidate.memory_bytes > budget:
+          continue
+        if best is None or candidate.step_s < best.step_s:
+          best = candidate
+        if sizes["pipeline"] == 1 or micro >= 4 * sizes["pipeline"]:
+          break  # more microbatches only repeat the weight collectives
   return best
+
+
+def _moe_tensor_options(model: Model, sizes: dict[str, int]) -> list[tuple[Model, str | None]]:
+  """The model as given, and on an MoE mesh with tensor > 1 also with the other model.moe_tensor where the mesh
+  divides it (experts: n_routed_experts by expert × tensor, the length by context × tensor)."""
+  m, t = model.cfg.model, sizes["tensor"]
+  if not m.is_moe or t == 1:
+    return [(model, None)]
+  out = [(model, m.moe_tensor)]
+  other = "experts" if m.moe_tensor == "split" else "split"
+  fits = (m.n_routed_experts % (sizes["expert"] * t) == 0 and model.cfg.train.seq_len % (sizes["context"] * t) == 0
+          if other == "experts" else m.n_routed_experts % sizes["expert"] == 0 and m.moe_intermediate_size % t == 0)
+  return out + ([(model.with_model(moe_tensor=other), other)] if fits else [])
 
 
 # the prediction's parts (explore/predict.py) by the names "why it loses" gives them
@@ -117,7 +135,7 @@ def suggest(model: Model, devices: int, hw: Hardware, top: int = 10, pipeline: b
   found = [c for s in meshes(model.cfg, devices, hw, pipeline) if (c := evaluate(model, s, hw)) is not None]
   found.sort(key=lambda c: (c.step_s, c.memory_bytes))
   ranked = found[:top]
-  return [{"rank": i + 1, "mesh": c.sizes, "microbatches": c.microbatches, "remat": c.remat,
+  return [{"rank": i + 1, "mesh": c.sizes, "microbatches": c.microbatches, "remat": c.remat, "moe_tensor": c.moe_tensor,
            "memory_bytes": c.memory_bytes, "step_time_s": c.bound_s, "predicted_step_s": c.step_s, "parts_s": c.parts,
            "overrides": c.overrides(), "why_not_first": loses(c, ranked[0]) if i else ""}
           for i, c in enumerate(ranked)]
