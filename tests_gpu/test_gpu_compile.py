@@ -247,3 +247,18 @@ def test_fp8_runs_the_recipes_gemms_on_float8(target):
   assert fp8["matmuls"]["recipe_f8"] >= 0.9 * fp8["matmuls"]["recipe"] > 0 == bf16["matmuls"]["recipe_f8"]
   if target == "h200":
     assert fp8["temp_bytes"] < bf16["temp_bytes"]
+
+
+@pytest.mark.parametrize("dispatch, want", [("auto", {"expert+tensor"}), ("two_stage", {"expert", "tensor"})])
+def test_tensor_ranks_as_expert_shards_exchange_over_expert_and_tensor(tmp_path, dispatch, want):
+  """model.moe_tensor=experts on expert 2 × tensor 2 compiled for 8 H200s: the ragged exchange runs over expert ×
+  tensor as one group of 4 shards (auto), or with 2 devices a node (two_stage) across nodes over expert and within
+  the node over tensor."""
+  out = tmp_path / "plan.json"
+  run = subprocess.run([sys.executable, "-m", "jaxseek.explore", "--config", "configs/tiny-v3.yaml", "mesh.data=2",
+                        "mesh.expert=2", "mesh.tensor=2", "model.moe_tensor=experts", "train.batch_size=8",
+                        "mesh.allow_cross_host=true", f"model.moe_dispatch={dispatch}", "--devices-per-node",
+                        "2" if dispatch == "two_stage" else "8", "--compile", "--target", "h200", "--json", str(out)],
+                       capture_output=True, text=True)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert set(json.loads(out.read_text())["compiled"]["collectives"]["ragged-all-to-all"]) == want
