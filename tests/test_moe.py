@@ -869,6 +869,13 @@ def test_dispatch_summary_gives_the_rows_one_layer_moves_per_device():
     assert line.startswith("MoE dispatch: ragged_all_to_all over expert=4") and line.endswith(
         f"(model.moe_dispatch=two_stage runs as this one-stage exchange: {why})"), line
   assert "two-stage (node-limited) over expert=4 as 2 nodes × 2" in experts.dispatch_summary(staged, sizes, "gpu", node=2)
+  # auto across nodes: one stage, and the line says so and names the other
+  auto = load_config("tiny-v3", "mesh.data=2", "mesh.expert=4")
+  line = experts.dispatch_summary(auto, sizes, "gpu", node=2)
+  assert line.startswith("MoE dispatch: ragged_all_to_all over expert=4") and line.endswith(
+      "(the expert axis spans 2 nodes: model.moe_dispatch=auto keeps one stage, every copy crossing on its own; "
+      "model.moe_dispatch=two_stage sends a token's row once per node, in more memory, docs/moe.md)"), line
+  assert "auto keeps one stage" not in experts.dispatch_summary(auto, sizes, "gpu", node=None)
 
 
 @pytest.mark.parametrize("path", ["fixed", "ragged"])

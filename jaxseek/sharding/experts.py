@@ -516,6 +516,10 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
             f"receive buffer of {recv} rows a round (further rounds past either, none dropped); the node's sums "
             f"come back one row per token and node; {rows}, results back in {t.compute_dtype}{split}")
   instead = ""
+  if m.moe_dispatch == "auto" and node is not None and node < P and m.moe_capacity_factor is None:
+    instead = (f" (the expert axis spans {P // node} nodes: model.moe_dispatch=auto keeps one stage, every copy "
+               f"crossing on its own; model.moe_dispatch=two_stage sends a token's row once per node, in more memory, "
+               f"docs/moe.md)")
   if m.moe_dispatch == "two_stage":  # asked for, but there is no second level to fan out in
     spans = f"the expert axis's {P} shards lie within one node" if node is None or node >= P else \
         f"{node} devices a node do not split the expert axis's {P} shards into whole nodes"
