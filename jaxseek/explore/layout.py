@@ -85,9 +85,10 @@ def describe(cfg: Config) -> Model:
   trainer = step_lib.make_trainer(cfg, one_device_mesh(), backend_checks=False)  # plans for any backend
   state = trainer.abstract_state
   leaves = []
-  for kind in ("params", "biases", "opt_state"):
-    for path, var in _flatten(getattr(state, kind)):
-      leaves.append(_leaf(kind, path, var, state_rules(kind, cfg.train.zero)))
+  with rules_lib.layout(cfg):  # the parameter rules of the config's layout (model.moe_tensor)
+    for kind in ("params", "biases", "opt_state"):
+      for path, var in _flatten(getattr(state, kind)):
+        leaves.append(_leaf(kind, path, var, state_rules(kind, cfg.train.zero)))
   for kind in ("step", "loss_window"):
     value = getattr(state, kind)
     leaves.append(_leaf("other", kind, value, PARAM_RULES))
