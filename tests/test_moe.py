@@ -748,14 +748,14 @@ def test_two_stage_sends_at_most_the_nodes_a_token_reaches():
 
 
 @pytest.mark.parametrize("chunks, factor, shards", [(1, 2.0, "expert8"), (2, 2.0, "expert8"), (1, 0.5, "expert8"),
-                                                  (1, 2.0, "e4t2-experts")])
+                                                  (2, 2.0, "e4t2-experts")])
 def test_two_stage_training_on_two_nodes_of_four_equals_single_device(monkeypatch, chunks, factor, shards):
   """Five training steps of tiny-v3 (group-limited routing: a token's experts lie in at most 2 of the 4 groups) on
   expert=8 as 2 nodes × 4 (mesh.devices_per_node=4), model.moe_dispatch=two_stage with the exchanges emulated,
   also with each device's tokens in 2 chunks (model.moe_overlap_chunks=2, how DeepSeek-V3's layout fits), and
   with receive buffers of half the average rows (model.moe_recv_factor=0.5: both stages take further rounds), and
   on expert 4 × tensor 2 with the tensor ranks as expert shards (model.moe_tensor=experts: 8 shards over expert ×
-  tensor, each device dispatching half of its tokens' length): losses, gradient norms and correction biases are
+  tensor, each device dispatching half of its tokens' length, in 2 chunks): losses, gradient norms and correction biases are
   the single-device run's; the start-up line names it."""
   monkeypatch.setattr(experts.choice, "dispatch_kind", lambda setting, where=None: setting)
   monkeypatch.setattr(experts, "experts_two_stage", functools.partial(
