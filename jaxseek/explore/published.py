@@ -9,6 +9,7 @@ from kernel and link microbenchmarks only (explore/rates/*.toml); these runs che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
@@ -123,11 +124,11 @@ def check(run: dict[str, Any]) -> dict[str, Any]:
   from jaxseek.explore import core
 
   path, over, differs = settings(run)
-  plans = []
-  for extra, why in variants(run, over):
+  model, plans = core.describe(config_lib.load(path, over)), []
+  for extra, why in variants(run, over):  # schedule settings: the same arrays, so one description serves
     cfg = config_lib.load(path, over + extra)
     sizes = core.mesh_sizes(cfg, run["gpus"])
-    plan = core.plan(core.describe(cfg), sizes, core.hardware(DEVICES[run["hardware"]]))
+    plan = core.plan(dataclasses.replace(model, cfg=cfg), sizes, core.hardware(DEVICES[run["hardware"]]))
     plans.append((not plan["memory"]["fits"], plan["prediction"]["step_s"], plan, extra, why))
   _, _, plan, extra, why = min(plans, key=lambda p: p[:2])
   over, differs = over + extra, differs + ([why] if why else [])

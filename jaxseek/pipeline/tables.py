@@ -144,6 +144,7 @@ def for_config(cfg, S: int, R: int) -> Table:
                paired=pairs(cfg))
 
 
+@functools.lru_cache(maxsize=128)  # the explorer asks for every table schedule per layout it plans (never mutated)
 def table(name: str, S: int, M: int, R: int, stashes: int = 0, recompute: bool = True,
           paired: bool = False) -> Table:
   """The table of schedule `name` (a train.pipeline_schedule value) for S stages, M microbatches, R rounds;
@@ -267,8 +268,8 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
       stashes[s].append((t_b + STASH_WRITE, w_tick[m, v] + STASH_READ, (m, v)))
     if kept:
       residuals[s].append((t_f + RESIDUAL_WRITE, t_b + READ, (m, v)))
-  slot, grad_slot, stash_slot = collections.defaultdict(int, _colour(inputs)), _colour(grads), _colour(stashes)
-  residual_slot = _colour(residuals)
+  slot, grad_slot, stash_slot, residual_slot = (collections.defaultdict(int, _colour(inputs)), _colour(grads),
+                                                 _colour(stashes), _colour(residuals))
   links = {"f": {}, "b": {}}
   for (m, v), t_f in f_tick.items():
     s, t_b = place[v][0], b_tick[m, v]
@@ -285,12 +286,18 @@ def build(S: int, M: int, R: int, virtual: np.ndarray, f_tick: dict, b_tick: dic
         to = place[w][0]
         d = (to - s) % S
         links[kind].setdefault(d, set()).add((s, to))
-        column = steps.setdefault(f"{kind}_in{d}", np.full((ticks, S), -1, np.int32))
-        column[t, to] = table[m, w]
+        _column(steps, f"{kind}_in{d}", (ticks, S))[t, to] = table[m, w]
   links = {k: {d: tuple(sorted(p)) for d, p in sorted(by.items())} for k, by in links.items()}
   return Table(S, M, R, np.asarray(virtual, np.int32), steps, 1 + max(slot.values(), default=0),
                1 + max(grad_slot.values()), links, 1 + max(stash_slot.values()) if stash_slot else 0,
                1 + max(residual_slot.values()) if residual_slot else 0)
+
+
+def _column(steps: dict[str, np.ndarray], name: str, shape: tuple[int, int]) -> np.ndarray:
+  """steps[name], made (−1 everywhere) the first time; not setdefault, which would build an array every call."""
+  if name not in steps:
+    steps[name] = np.full(shape, -1, np.int32)
+  return steps[name]
 
 
 def _colour(intervals: list[list[tuple[float, float, tuple]]]) -> dict:

@@ -179,6 +179,9 @@ def _greedy_v(S: int, M: int, cap: int, packed: bool = False, stashes: int = 0) 
   V = 2 * S
   done: dict[tuple[str, int, int], int] = {}
   next_f = [[0, 0] for _ in range(S)]
+  # a virtual stage's b run in microbatch order (each waits for the next one's b, or for its forward on the last),
+  # so the first not yet run is the only one that can be ready
+  next_b = [[0, 0] for _ in range(S)]
   waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(S)]
   live = [0] * S
   ticks = []
@@ -190,9 +193,8 @@ def _greedy_v(S: int, M: int, cap: int, packed: bool = False, stashes: int = 0) 
     for s in range(S):
       op = None
       for r in (1, 0) if stashes <= 0 or len(waiting_w[s]) < stashes else ():  # a ready b, the later chunk first
-        v = int(virtual[s, r])
-        m = next((m for m in range(M) if ("b", m, v) not in done and _ready(("b", r, m), v, V, done, t)), None)
-        if m is not None:
+        m = next_b[s][r]
+        if m < M and _ready(("b", r, m), int(virtual[s, r]), V, done, t):
           op = ("b", r, m)
           break
       if op is None and live[s] < cap:
@@ -212,6 +214,7 @@ def _greedy_v(S: int, M: int, cap: int, packed: bool = False, stashes: int = 0) 
           next_f[s][r] += 1
           live[s] += 1
         elif kind == "b":
+          next_b[s][r] += 1
           waiting_w[s].append((r, m))
         else:
           waiting_w[s].pop(0)
