@@ -104,7 +104,7 @@ def check_setup(cfg: config_lib.Config, mesh: Mesh, backend: bool = True) -> Non
   other hardware): refused with one line before anything is written."""
   pipeline_lib.check_stacks(cfg, mesh.shape["pipeline"])
   m = cfg.model
-  shards = mesh.shape["expert"] * (mesh.shape["tensor"] if m.moe_tensor == "experts" else 1)
+  shards = math.prod(mesh.shape[a] for a in experts.expert_axes(m))
   if m.is_moe and m.moe_max_expert_shards is not None and m.moe_max_expert_shards < shards and \
       m.num_experts_per_tok > m.moe_max_expert_shards * (m.n_routed_experts // shards):
     raise UserError(f"config key model.moe_max_expert_shards: {m.moe_max_expert_shards} of the {shards} expert "

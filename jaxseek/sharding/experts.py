@@ -491,7 +491,7 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
   m, t = cfg.model, cfg.train
   if not m.is_moe:
     return "MoE dispatch: none (dense model)"
-  on_tensor = sizes.get("tensor", 1) if m.moe_tensor == "experts" else 1  # tensor ranks as expert shards
+  on_tensor = sizes.get("tensor", 1) if "tensor" in expert_axes(m) else 1  # tensor ranks as expert shards
   P, K = sizes.get("expert", 1) * on_tensor, m.num_experts_per_tok
   if P == 1:
     return f"MoE dispatch: none (mesh.expert=1: all {m.n_routed_experts} experts on every device)"

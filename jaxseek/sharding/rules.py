@@ -50,10 +50,9 @@ def state_rules(kind: str, zero: int) -> Rules:
   """The parameter rules for one part of the train state: "params" / "biases" or "opt_state" (with the routed
   experts over expert × tensor inside `layout` of model.moe_tensor=experts)."""
   base = ZERO1_PARAM_RULES if zero == 1 and kind != "opt_state" else PARAM_RULES
-  return {**base, **_EXPERT_PARAMS} if _EXPERTS_ON_TENSOR.get() else base
-
-
-_EXPERT_PARAMS: Rules = {"experts": ("expert", "tensor"), "expert_mlp": ()}
+  if not _EXPERTS_ON_TENSOR.get():
+    return base
+  return {**base, **{k: EXPERTS_ON_TENSOR[k] for k in ("experts", "expert_mlp")}}
 
 
 ACTIVATION_RULES: Rules = {
@@ -75,8 +74,8 @@ EXPERTS_ON_TENSOR: Rules = {"experts": ("expert", "tensor"), "expert_mlp": (), "
 
 # Every logical name the model may use; those absent from a table are replicated.
 LOGICAL_AXES = frozenset(
-    {"batch", "length", "residual_length", "expert_length", "embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp",
-     "expert_mlp", "experts", "layers", "stages", "data_shards"})
+    {"batch", "length", "residual_length", "expert_length", "embed", "vocab", "heads", "kv_heads", "head_dim",
+     "q_lora", "kv_lora", "mlp", "expert_mlp", "experts", "layers", "stages", "data_shards"})
 
 
 def spec(names: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
