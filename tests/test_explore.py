@@ -244,6 +244,33 @@ def test_collective_axes_from_replica_groups(line, axes):
   assert explore_compile.collective_axes(line, (1, 2, 2, 1, 1, 2)) == axes
 
 
+def test_the_published_v3_config_trains_deepseeks_recipe_from_the_layout_alone():
+  """configs/deepseek-v3-671b.yaml with only DeepSeek's layout (PP16 × EP64 × DP2 on 2,048 H800s): the explorer plans
+  the report's recipe: 1F1B (stage inputs bounded by the stage count, not GPipe's 60 microbatches), AdamW's moments
+  in bfloat16, the dispatch in float8, dropless, FP8 GEMMs on Hopper (rowwise) and Blackwell (MXFP8), and it fits
+  an H800 in the explorer's estimate."""
+  from jaxseek.kernels import fp8_gemm
+
+  layout = ("mesh.pipeline=16", "mesh.expert=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
+            "train.batch_size=15360", "train.seq_len=4096", "train.microbatches=60", "mesh.allow_cross_host=true")
+  cfg = load_config("deepseek-v3-671b", *layout)
+  plan = explore.plan(explore.describe(cfg), explore.mesh_sizes(cfg, 2048), explore.hardware("h800-80g"))
+  m, t = cfg.model, cfg.train
+  assert m.moe_capacity_factor is None and m.moe_dispatch_dtype == "float8_e4m3fn"
+  assert fp8_gemm.resolve(t.fp8, "gpu", 9.0) == "rowwise" and fp8_gemm.resolve(t.fp8, "gpu", 10.0) == "mxfp8"
+  mem = plan["memory_per_device"]
+  # float32 parameters, bfloat16 mu and nu: the moments take as many bytes as the parameters (float32: twice)
+  assert mem["optimizer"] == pytest.approx(mem["parameters"], rel=1e-3)
+  assert mem["total"] <= 0.9 * 79.65 * 2**30
+  # FP8 GEMMs timed at the float8 peak: most of the step's FLOPs
+  assert plan["compute"]["fp8_flops_per_device"] > 0.8 * plan["compute"]["flops_per_device"]
+  gpipe = load_config("deepseek-v3-671b", *layout, "train.pipeline_schedule=gpipe")
+  gpipe_plan = explore.plan(explore.describe(gpipe), explore.mesh_sizes(gpipe, 2048), explore.hardware("h800-80g"))
+  assert mem["activations"] < gpipe_plan["memory_per_device"]["activations"] / 10
+  bytes_out = {c["what"].split(";")[0]: c for c in plan["communication"]["expert"] if c["collective"] == "ragged-all-to-all"}
+  assert bytes_out and all("float8_e4m3fn" in what for what in bytes_out)
+
+
 def test_deepseek_v3_on_2048_devices_in_seconds():
   start = time.perf_counter()
   cfg = load_config("deepseek-v3-671b", "mesh.pipeline=2", "mesh.expert=64", "mesh.data=4", "mesh.fsdp=1",

@@ -85,7 +85,7 @@ def test_the_prediction_is_its_parts_and_never_faster_than_the_bound_without_ove
   """On V3's layout: the step is the sum of its parts; compute at achieved rates takes longer than at peak, each
   collective longer than at its nominal rate; FP8 shortens compute; pairing a forward with a backward hides part of
   the exchange (at most the compute beside it), which nothing hides without it."""
-  plain, fp8, paired = v3(), v3("train.fp8=true"), v3("train.fp8=true", "train.pipeline_overlap=true")
+  plain, fp8, paired = v3("train.fp8=false"), v3("train.fp8=true"), v3("train.fp8=true", "train.pipeline_overlap=true")
   for plan in (plain, fp8, paired):
     p = plan["prediction"]
     parts = [v for k, v in p.items() if k.endswith("_s") and k not in ("step_s", "exchange_s", "reductions_s",
