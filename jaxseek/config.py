@@ -317,6 +317,11 @@ class TrainConfig:
   # FILE` writes from the compiled step's kernels and transfers); null: XLA's own guesses, which cover a long
   # exchange with a few kernels
   pgle_profile: str | None = None
+  # GPU, without train.pgle_profile: "rates" compiles the step twice, the second time planning with the op costs
+  # of the first program's kernels and transfers timed at the GPU's achieved rates (explore/rates/<gpu>.toml, the
+  # explorer's prediction; overlap.analytic_profile), so no profile needs making first; "xla": one compile with
+  # XLA's own guesses
+  op_costs: Literal["rates", "xla"] = "rates"
 
 
 @dataclasses.dataclass(frozen=True)

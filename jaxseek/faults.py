@@ -170,8 +170,8 @@ class Aligned:
   further apart than that fail (`Gloo context initialization failed: DEADLINE_EXCEEDED`), and the coordination
   service then aborts the others (SIGABRT). The barrier waits up to `timeout_s` (dist.init_timeout_s)."""
 
-  def __init__(self, fn, name: str, timeout_s: int, options: dict | None = None):
-    self.fn, self.name, self.timeout_s, self.options = fn, name, timeout_s, options
+  def __init__(self, fn, name: str, timeout_s: int, options: dict | None = None, compile=None):
+    self.fn, self.name, self.timeout_s, self.options, self.compile = fn, name, timeout_s, options, compile
     self.compiled: dict = {}  # signature → compiled program
 
   def __call__(self, *args):
@@ -179,7 +179,7 @@ class Aligned:
     compiled = self.compiled.get(key)
     if compiled is None:
       compiled = self.compiled[key] = compile_noted(lambda: self.fn.lower(*args), self.name,
-                                                        options=self.options)
+                                                        options=self.options, compile=self.compile)
       if jax.process_count() > 1:
         import orbax.checkpoint as ocp
 
@@ -198,14 +198,15 @@ def signature(args) -> tuple:
                       getattr(x, "sharding", None)) for x in leaves)
 
 
-def compile_noted(lower, name: str, file=None, options: dict | None = None):
-  """`lower()` (a jitted function's `.lower(...)`) compiled with XLA `options`, with `compiling the NAME … done in
-  S s` on process 0's console (stdout, or `file`)."""
+def compile_noted(lower, name: str, file=None, options: dict | None = None, compile=None):
+  """`lower()` (a jitted function's `.lower(...)`) compiled with XLA `options` (by `compile(lowered, options)`
+  where given: kernels/choice.compile_planned), with `compiling the NAME … done in S s` on process 0's console
+  (stdout, or `file`)."""
   loud = jax.process_index() == 0
   if loud:
     print(f"compiling the {name} …", end="", flush=True, file=file)
   start = time.perf_counter()
-  compiled = lower().compile(options or None)
+  compiled = compile(lower(), options) if compile else lower().compile(options or None)
   if loud:
     print(f" done in {time.perf_counter() - start:.1f} s", flush=True, file=file)
   return compiled

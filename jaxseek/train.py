@@ -22,6 +22,7 @@ from jaxseek import metrics as metrics_lib
 from jaxseek import faults
 from jaxseek.evaluate import Evaluator
 from jaxseek.errors import RunStopped, UserError, cli
+from jaxseek.explore import predict as explore_predict
 from jaxseek.explore import suggest as explore_suggest
 from jaxseek.kernels import choice
 from jaxseek.sharding import experts, gradsum
@@ -100,7 +101,7 @@ def run(cfg: config_lib.Config) -> dict[str, float]:
   ckpt = ckpt or checkpoint_lib.Checkpointer(cfg, run_dir / "checkpoints")
   start = int(state.step)
   step_fn = faults.Aligned(compile_step(trainer, cfg, mesh), "train step", cfg.dist.init_timeout_s,
-                           choice.compiler_options(cfg))
+                           choice.compiler_options(cfg), compile=explore_predict.planner(cfg, mesh))
   # the model's own parameters and FLOPs, without the identity padding a pipeline may store
   logical = jax.eval_shape(lambda p: pipeline_lib.reorder(p, pipeline_lib.stack_sizes(cfg.model), pipeline_lib.layout(
       cfg, mesh.shape["pipeline"]), (1, 1)), trainer.abstract_state.params)

@@ -280,6 +280,54 @@ def test_aligned_compiles_with_the_options_given(tmp_path):
   assert "op costs from" in choice.summary(planned, "gpu", 9.0)
 
 
+def test_a_gpu_step_compiles_again_planning_with_its_op_costs_at_the_gpus_achieved_rates(tmp_path):
+  """train.op_costs=rates (the default) on GPU: the step compiles once with the run's options, then again with the
+  same options and a profile for the latency-hiding scheduler that costs each kernel of the first program at the
+  achieved rates of the run's GPU (a memory-bound fusion over f32[1024, 1024]: 8 MiB read and written at
+  explore/rates' achieved HBM bandwidth, 3.0 TB/s on an H100, 7.16 on a B200). One compile with
+  train.op_costs=xla, a train.pgle_profile (which overrides), the scheduler off, or off GPU."""
+  import tomllib
+  from importlib import resources
+
+  from jaxseek.explore import predict
+  from jaxseek.kernels import choice
+
+  lowered = jax.jit(lambda x: jnp.sin(x) * 2 + 1).lower(jnp.ones((1024, 1024)))
+  fusion = re.search(r"%?([\w.\-]+) = f32\[1024,1024\]\S* fusion\(", lowered.compile().as_text()).group(1)
+
+  def compiles(cfg, kind, where="gpu"):
+    calls = []
+
+    class Spy:  # records each compile's options and the profile file as it is then
+      def compile(self, options=None):
+        path = (options or {}).get("xla_gpu_pgle_profile_file_or_directory_path")
+        calls.append((dict(options or {}), open(path).read() if path else None))
+        return lowered.compile()
+
+    predict.compile_planned(Spy(), cfg, {"xla_gpu_enable_latency_hiding_scheduler": True}, kind, 8, where=where)
+    return calls
+
+  cfg = load_config("tiny-dense")
+  for kind, gpu in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA B200", "b200")):
+    (first, none), (second, profile) = compiles(cfg, kind)
+    assert none is None and first == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    assert second == {**first, "xla_gpu_pgle_profile_file_or_directory_path": second[
+        "xla_gpu_pgle_profile_file_or_directory_path"]}
+    hbm = tomllib.loads(resources.files("jaxseek.explore.rates").joinpath(f"{gpu}.toml").read_text())["memory"]
+    want = 2 * 1024 * 1024 * 4 / (hbm["hbm_tbps"] * 1e12) * 1e6
+    got = dict(re.findall(r'costs \{ name: "([^"]+)" cost_us: ([\d.]+) \}', profile))
+    assert float(got[fusion]) == pytest.approx(want, rel=1e-3), (got, want)
+  profile = tmp_path / "costs.pbtxt"
+  profile.write_text('costs { name: "fusion.1" cost_us: 3.0 }\n')
+  for one in (load_config("tiny-dense", "train.op_costs=xla"), load_config("tiny-dense", f"train.pgle_profile={profile}"),
+              load_config("tiny-dense", "train.latency_hiding=false")):
+    assert len(compiles(one, "NVIDIA H100 80GB HBM3")) == 1
+  assert len(compiles(cfg, "NVIDIA H100 80GB HBM3", where="cpu")) == 1
+  assert predict.planner(cfg, None) is None  # this machine's CPU: one compile
+  assert "op costs at this GPU's achieved rates" in choice.summary(cfg, "gpu", 9.0)
+  assert "XLA's own op costs" in choice.summary(load_config("tiny-dense", "train.op_costs=xla"), "gpu", 9.0)
+
+
 def _token_folder(folder, vocab, count=40, seed=0):
   """A prepared folder of `count` random documents (8-30 tokens below `vocab`), written with the shard writer."""
   rng = np.random.default_rng(seed)

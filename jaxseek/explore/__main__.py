@@ -112,7 +112,10 @@ def run(cfg: config_lib.Config, args: argparse.Namespace) -> dict[str, Any]:
     from jaxseek.explore import gpu as explore_gpu
     from jaxseek.explore import overlap as explore_overlap
 
-    compiled = explore_gpu.compile_for_target(cfg, sizes, args.target, args.devices_per_node, hw)
+    first = cfg  # with --pgle-profile the first program plans with XLA's own costs, the second with the file's
+    if args.pgle_profile:
+      first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, op_costs="xla"))
+    compiled = explore_gpu.compile_for_target(first, sizes, args.target, args.devices_per_node, hw)
     if args.pgle_profile:  # the scheduler plans again with the first program's kernels and transfers timed
       rates = explore_gpu.target_rates(args.target, args.devices_per_node, hw)
       Path(args.pgle_profile).write_text(explore_overlap.analytic_profile(compiled["hlo"], rates))

@@ -87,6 +87,7 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
   from jaxseek import step as step_lib
   from jaxseek.explore import compile as explore_compile
   from jaxseek.explore import overlap as explore_overlap
+  from jaxseek.explore import predict as explore_predict
   from jaxseek.kernels import choice as kernels
   from jaxseek.sharding import mesh as mesh_lib
 
@@ -107,7 +108,9 @@ def compile_for_target(cfg: Config, sizes: dict[str, int], target: str, per_host
       # XLA takes CUB's radix sort where it holds deviceless scratch sizes (H100) and then asks the CUDA runtime
       # for a device: the same fallback sort as on the other targets keeps the compile deviceless
       options = {**DEVICELESS_OPTIONS, **kernels.compiler_options(cfg, "gpu")}
-      compiled = step.lower(trainer.abstract_state, batch).compile(options)
+      # as the run compiles it: with train.op_costs=rates twice, the second planning with the first's op costs
+      compiled = explore_predict.compile_planned(step.lower(trainer.abstract_state, batch), cfg, options,
+                                                 devices[0].device_kind, per_host, where="gpu")
   stats = compiled.memory_analysis()
   text = compiled.as_text()
   calls = collections.Counter(CUSTOM_CALL.findall(text))

@@ -173,6 +173,49 @@ def achieved_rates(hw, per_node: int):
                per_node=per_node, fp8_flops=r["gemm"]["fp8_tflops"] * 1e12)
 
 
+def compile_planned(lowered, cfg, options: dict | None, device_kind: str, per_node: int, where: str | None = None):
+  """`lowered` compiled with XLA `options`; where `plans_with_rates`, compiled a second time with the first
+  program's op costs (each kernel and async transfer timed at the achieved rates of `device_kind`'s GPU, links
+  within `per_node` devices on NVLink, overlap.analytic_profile) handed to the latency-hiding scheduler as its
+  profile. The instruction names are the first program's, which the second compile gives again."""
+  import os
+  import tempfile
+  import types
+
+  from jaxseek.explore.overlap import analytic_profile
+  from jaxseek.kernels.choice import plans_with_rates
+
+  compiled = lowered.compile(options or None)
+  if not plans_with_rates(cfg, where):
+    return compiled
+
+  rates = achieved_rates(types.SimpleNamespace(name=device_kind), per_node)
+  with tempfile.TemporaryDirectory(prefix="jaxseek-op-costs-") as folder:
+    path = os.path.join(folder, "op_costs.pbtxt")
+    with open(path, "w") as f:
+      f.write(analytic_profile(compiled.as_text(), rates))
+    return lowered.compile({**(options or {}), "xla_gpu_pgle_profile_file_or_directory_path": path})
+
+
+def planner(cfg, mesh):
+  """How the train step on `mesh` compiles: `compile_planned` for its GPUs where `plans_with_rates` (links within
+  the devices of one node, mesh.devices_per_node or the processes' hosts, on NVLink), else None (one compile)."""
+  from jaxseek.kernels.choice import plans_with_rates
+
+  if not plans_with_rates(cfg):
+    return None
+  import functools
+
+  import jax
+
+  from jaxseek.sharding import mesh as mesh_lib
+
+  nodes = mesh_lib.process_nodes()
+  per_node = cfg.mesh.devices_per_node or jax.local_device_count() * sum(
+      node == nodes[jax.process_index()] for node in nodes.values())
+  return functools.partial(compile_planned, cfg=cfg, device_kind=mesh.devices.flat[0].device_kind, per_node=per_node)
+
+
 EXCHANGE = ("ragged-all-to-all", "all-to-all")
 REDUCTIONS = ("data", "fsdp", "expert", "context", "pipeline")
 

@@ -49,6 +49,13 @@ def compiler_options(cfg, where: str | None = None) -> dict[str, bool | int]:
   return options
 
 
+def plans_with_rates(cfg, where: str | None = None) -> bool:
+  """Whether the step's GPU compile plans with op costs at the achieved rates (train.op_costs=rates): on GPU, with
+  the latency-hiding scheduler on and no train.pgle_profile (a profile overrides)."""
+  t = cfg.train
+  return (where or platform()) == "gpu" and t.latency_hiding and t.op_costs == "rates" and not t.pgle_profile
+
+
 def pgle_profile_error(path: str) -> str | None:
   """Why the file at `path` is not an op-cost profile XLA can read (a ProfiledInstructionsProto, as text or
   binary, naming at least one instruction), or None. XLA reads it only while compiling on a GPU, and a file it
@@ -269,12 +276,18 @@ def summary(cfg, where: str, cc: float | None = None, tokamax: bool | None = Non
     parts.append(f"FP8 {recipe} ({fp8_gemm.LABELS[recipe]})")
   if where == "gpu":
     memory = f" within {t.latency_hiding_memory}% of XLA's memory limit" if t.latency_hiding_memory != 95 else ""
-    profile = f", op costs from {t.pgle_profile}" if t.pgle_profile and t.latency_hiding else ""
+    if t.pgle_profile:
+      costs = f", op costs from {t.pgle_profile}"
+    elif t.op_costs == "rates":
+      costs = ", op costs at this GPU's achieved rates (train.op_costs=rates: compiled twice)"
+    else:
+      costs = ", XLA's own op costs (train.op_costs=xla)"
+    profile = costs if t.latency_hiding else ""
     unused = f" (train.pgle_profile={t.pgle_profile} unused)" if t.pgle_profile and not t.latency_hiding else ""
     parts.append(f"XLA latency-hiding scheduler {'on' + memory + profile if t.latency_hiding else 'off' + unused}")
   else:  # the scheduler's settings shape a GPU compile only
     unused = [f"train.{key}={getattr(t, key)}" for key, default in (("pgle_profile", None), ("latency_hiding", True),
-                                                                    ("latency_hiding_memory", 95))
+                                                                    ("latency_hiding_memory", 95), ("op_costs", "rates"))
               if getattr(t, key) != default]
     if unused:
       parts.append(f"{', '.join(unused)} unused (they set XLA's GPU scheduler)")
