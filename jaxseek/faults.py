@@ -200,7 +200,7 @@ def signature(args) -> tuple:
 
 def compile_noted(lower, name: str, file=None, options: dict | None = None, compile=None):
   """`lower()` (a jitted function's `.lower(...)`) compiled with XLA `options` (by `compile(lowered, options)`
-  where given: kernels/choice.compile_planned), with `compiling the NAME … done in S s` on process 0's console
+  where given: explore/predict.compile_planned), with `compiling the NAME … done in S s` on process 0's console
   (stdout, or `file`)."""
   loud = jax.process_index() == 0
   if loud:
