@@ -32,16 +32,40 @@ def _matrices(abstract_params: nnx.State):
       yield [str(getattr(k, "key", k)) for k in path], names, math.prod(var.shape)
 
 
+def flops_by_part(cfg: Config, abstract_params: nnx.State) -> dict[str, tuple[float, float]]:
+  """Training FLOPs per token by the part of the model that runs them, with the share train.fp8 runs in FP8:
+  {part: (flops, recipe flops)}, parts "dense_layers", "moe_layers", "mtp_layers" (each with its layers'
+  attention) and "head" (the output projection, once per MTP depth too); they sum to `flops_per_token` and
+  `recipe_flops_per_token`. The explorer places them on the pipeline's stages (explore/comm.py)."""
+  m = cfg.model
+  ratio = lambda names: m.num_experts_per_tok / m.n_routed_experts if "experts" in names else 1
+  parts: dict[str, list[float]] = {}
+
+  def add(part: str, flops: float, recipe: float = 0.0) -> None:
+    total = parts.setdefault(part, [0.0, 0.0])
+    total[0], total[1] = total[0] + flops, total[1] + recipe
+
+  for keys, names, size in _matrices(abstract_params):
+    if "table_VD" in keys:
+      continue
+    part = "head" if keys[0] == "head_DV" else keys[0]
+    recipe = ("attn" in keys or "mlp" in keys or "shared" in keys) and not any(k.startswith("w_router") for k in keys)
+    add(part, 6 * size * ratio(names), 6 * size * ratio(names) * recipe)
+  depth = m.num_nextn_predict_layers
+  add("head", 6 * (int(m.tie_word_embeddings) + depth) * m.vocab_size * m.hidden_size)  # the head, once per MTP depth too
+  qk, v = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.is_mla else (m.dense_head_dim,) * 2
+  per_layer = 3 * 2 * m.num_attention_heads * (qk + v) * (cfg.train.seq_len + 1) / 2
+  for part, layers in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers), ("mtp_layers", depth)):
+    if layers:
+      add(part, per_layer * layers)
+  return {part: (flops, recipe) for part, (flops, recipe) in parts.items()}
+
+
 def recipe_flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
   """The part of `flops_per_token` FP8 training runs in FP8 (train.fp8): the attention and MLP projections, shared
   and routed experts (K/E of them), forward and both gradients; not the embedding, the head, the router or the
   attention scores."""
-  m = cfg.model
-  active = 0.0
-  for keys, names, size in _matrices(abstract_params):
-    if ("attn" in keys or "mlp" in keys or "shared" in keys) and not any(k.startswith("w_router") for k in keys):
-      active += size * (m.num_experts_per_tok / m.n_routed_experts if "experts" in names else 1)
-  return 3 * 2 * active
+  return sum(recipe for _, recipe in flops_by_part(cfg, abstract_params).values())
 
 
 def flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
@@ -51,19 +75,7 @@ def flops_per_token(cfg: Config, abstract_params: nnx.State) -> float:
   run). Attention: 2 · N · (qk head dim + v head dim) multiply-adds per query-key pair, (T + 1)/2 pairs per
   query under the causal mask, per layer.
   """
-  m = cfg.model
-  active = 0.0
-  for keys, names, size in _matrices(abstract_params):
-    if "table_VD" in keys:
-      continue
-    if "experts" in names:
-      size *= m.num_experts_per_tok / m.n_routed_experts
-    active += size
-  depth = m.num_nextn_predict_layers
-  active += (int(m.tie_word_embeddings) + depth) * m.vocab_size * m.hidden_size  # the head, once per MTP depth too
-  qk, v = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.is_mla else (m.dense_head_dim,) * 2
-  attention = (m.num_hidden_layers + depth) * 2 * m.num_attention_heads * (qk + v) * (cfg.train.seq_len + 1) / 2
-  return 3 * (2 * active + attention)
+  return sum(flops for flops, _ in flops_by_part(cfg, abstract_params).values())
 
 
 @lru_cache(maxsize=1)

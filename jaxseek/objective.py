@@ -136,8 +136,26 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
                         cfg.train.remat)
   pair = tables.pairs(cfg)
 
-  def stage(x_bTD, chunk_p, chunk_c, side, unroll=False):  # unrolled in paired ticks, so two chunks interleave
-    return jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
+  def stage(x_bTD, chunk_p, chunk_c, side, unroll=False, layers=None):  # unrolled in paired ticks, so two chunks
+    run = lambda: jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
+    if layers is None:  # interleave
+      return run()
+
+    def first_layers():  # the chunk's first `layers` layers; the identity padding after them skipped
+      def layer(x, inputs):
+        p, c, i = inputs
+        ran = lambda: body(x, p, c, side)
+        skipped = lambda: (x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(ran)[1]))
+        return jax.lax.cond(i < layers, ran, skipped)
+
+      return jax.lax.scan(layer, x_bTD, (chunk_p, chunk_c, jnp.arange(chunk_size)))
+
+    return jax.lax.cond(layers == chunk_size, run, first_layers)
+
+  # identity padding (the last storage rows, all zeros) is skipped where pipeline_lib.skips_padding says so
+  chunk_size = pipeline_lib.stored_layers(n_layers, S, cfg.train.pipeline_repeats) // (S * table.repeats)
+  real = pipeline_lib.chunk_layers(n_layers, S, cfg.train.pipeline_repeats)
+  layers = real if pipeline_lib.skips_padding(cfg) and (real < chunk_size).any() else None
 
   B, T = batch["inputs"].shape
   batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))))
@@ -148,7 +166,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   g_stack, g_rest, (ce_sum, mtp_sums, post_balance, post_loads), stage_aux = executor.run(
       table, executor.Parts(first, stage, post), stack_params, stack_consts,
       as_computed(rest_params, cfg.train.compute_dtype), split(batch), side_M, aux_cotangent={"balance": alpha},
-      per_row=("balance",), unsplit=unsplit_leaves(rest_params), pair=pair)
+      per_row=("balance",), unsplit=unsplit_leaves(rest_params), pair=pair, layers=layers)
   g_rest = jax.tree.map(lambda g, p: g.astype(p.dtype), g_rest, rest_params)
   grads = nnx.merge_state(g_rest, nnx.State({name: nnx.State({"blocks": g_stack})}))
   stage_aux = pipeline_lib.zero_padding_rows(stage_aux, stored=jax.tree.leaves(stack_params)[0].shape[0],

@@ -161,6 +161,9 @@ PAIR = "train.pipeline_overlap=true"
 @pytest.mark.parametrize("name, layers, mesh, micro, model", [
     ("tiny-v3", 5, ("mesh.pipeline=4", "mesh.data=2", ONE_F_ONE_B), 8, ()),  # the dense layer before the schedule
     ("tiny-dense", 5, ("mesh.pipeline=2", "mesh.data=4", "train.pipeline_repeats=2", INTERLEAVED), 4, ()),  # 8 rows
+    # 5 MoE layers in 6 rows: the last stage skips its identity layer (pipeline.stages.skips_padding), with MTP
+    ("tiny-v3", 6, ("mesh.pipeline=2", "mesh.data=2", "mesh.expert=2", ONE_F_ONE_B), 4,
+     ("model.num_nextn_predict_layers=1",)),
     ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2", INTERLEAVED), 8,
      ()),  # 8 MoE layers in 2 chunks of 1 per stage
     # a tick's forward beside its backward (train.pipeline_overlap): the chunks unrolled outside the conditionals,
@@ -185,7 +188,8 @@ PAIR = "train.pipeline_overlap=true"
     # 1F1B keeping the forward's residuals: nothing recomputed, b and W in the backward's tick
     ("tiny-v3", 9, ("mesh.pipeline=4", "mesh.data=2", "train.pipeline_repeats=2", INTERLEAVED, KEEP), 8, ()),
     ("tiny-dense", 8, ("mesh.pipeline=4", "mesh.data=2", ONE_F_ONE_B, KEEP), 8, ()),
-], ids=["v3-p4-m8-1f1b", "dense5-p2-r2-m4-interleaved-padded", "v3-p4-r2-m8-interleaved", "v3-p4-m8-1f1b-paired",
+], ids=["v3-p4-m8-1f1b", "dense5-p2-r2-m4-interleaved-padded", "v3-moe5-p2e2-m4-mtp-1f1b-padded",
+         "v3-p4-r2-m8-interleaved", "v3-p4-m8-1f1b-paired",
         "v3-p4-r2-m8-interleaved-paired", "v3-p2e2t2-m4-mtp-1f1b-paired", "dense-p4-m4-dualpipev",
         "dense-p4-m8-zbv", "dense-p2t2-m4-zb_h1", "v3-p2e2t2-m4-mtp-dualpipev", "v3-p2e2t2-m4-zbv",
         "v3-p4-m8-dualpipev", "v3-p4e2-m8-zb_h1", "dense-p4-m8-zbv-kept", "v3-p2e2t2-m4-zb_h1-kept",

@@ -101,6 +101,36 @@ def test_the_prediction_is_its_parts_and_never_faster_than_the_bound_without_ove
   assert 0.3 * p["exchange_s"] < hidden <= p["compute_s"]
 
 
+def test_a_table_schedule_is_timed_by_its_busiest_stage():
+  """V3 on 16 stages under 1F1B, recomputing each chunk in its backward (a layer's forward twice and its backward:
+  4/3 of its training FLOPs), FP8 off. Each stage's work, counted here from the FLOPs of each part of the model:
+  4 MoE layers a stage; stage 0 also the 3 dense layers before the pipelined stack (recomputed in its backward
+  too); rows 58-63 of the 64 stored are identity padding, which the executor skips (stage 14 runs 2 layers, stage
+  15 none) and stage 15 runs MTP, the heads and the loss (their training FLOPs). A lock-step tick lasts as long as
+  its busiest stage, so the step's compute is no shorter than stage 0's work; spread evenly over the stages (the
+  explorer before) it was 1.7 times shorter."""
+  from jaxseek import config as config_lib
+
+  cfg = config_lib.load(ROOT / "configs/deepseek-v3-671b.yaml", [
+      "mesh.pipeline=16", "mesh.expert=64", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "train.batch_size=15360",
+      "train.seq_len=4096", "train.microbatches=60", "mesh.allow_cross_host=true", "train.fp8=false"])
+  assert cfg.train.pipeline_schedule == "1f1b" and cfg.train.pipeline_recompute
+  model = explore.describe(cfg)
+  sizes = explore.mesh_sizes(cfg, 2048)
+  compute = explore.plan(model, sizes, explore.hardware("h800-80g"))["compute"]
+  flops = {part: f for part, (f, _) in model.flops_by_part.items()}
+  at_peak = 15360 * 4096 / (2048 / 16) / 989e12  # a stage device's tokens per step, at the bf16 peak
+  layer = flops["moe_layers"] / 58 * 4 / 3 * at_peak
+  work = compute["stage_work_s"]
+  assert len(work) == 16
+  assert work[1:14] == pytest.approx([4 * layer] * 13, rel=1e-9)
+  assert work[0] == pytest.approx(4 * layer + flops["dense_layers"] * 4 / 3 * at_peak, rel=1e-9)
+  assert work[14] == pytest.approx(2 * layer, rel=1e-9)
+  assert work[15] == pytest.approx((flops["head"] + flops["mtp_layers"]) * at_peak, rel=1e-9)
+  assert compute["time_s"] == pytest.approx(sum(work) / 16)
+  assert compute["time_s"] + compute["bubble_s"] >= max(work) == work[0] > 1.6 * sum(work) / 16
+
+
 def test_the_h800_plans_with_its_cut_nvlink():
   """The H800's NVLink runs at 400 GB/s both ways (200 a direction), the H100's at 900: the bound's in-node
   exchange takes 2.25× as long, and the prediction uses the H800's own rates file."""

@@ -539,9 +539,9 @@ def _expert_items(x: dict[str, Any]) -> list[tuple]:
 
 
 def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dict[str, float]:
-  """FLOPs per device per step, the time at peak, and the pipeline bubble's share (the pipelined stacks'
-  compute stretched by ticks / (R·M)); under 1F1B the pipelined stacks' forward runs twice (recomputed in the
-  backward) unless train.remat=full already counts it."""
+  """FLOPs per device per step, the time at peak, and the pipeline bubble's share. Under GPipe and the circular
+  schedule the pipelined stacks' compute is stretched by ticks / (R·M) (the rest runs data-parallel over the
+  stages); the table schedules are timed tick by tick (`table_span`)."""
   from jaxseek.pipeline import stages as pipeline_lib
 
   cfg = model.cfg
@@ -550,31 +550,74 @@ def compute_seconds(model: ex.Model, sizes: dict[str, int], hw: Hardware) -> dic
   per_device = model.flops_per_token * tokens * rerun
   fp8 = model.recipe_flops_per_token * tokens * rerun if fp8_runs(cfg, hw) else 0.0
   seconds = (per_device - fp8) / (hw.peak_tflops * 1e12) + (fp8 / (hw.fp8_tflops * 1e12) if fp8 else 0.0)
-  S, M, m = sizes["pipeline"], cfg.train.microbatches, cfg.model
-  bubble, base = 0.0, seconds
-  one_f_one_b = cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B
+  S, m = sizes["pipeline"], cfg.model
+  bubble, stages = 0.0, None
   for stack, n in (("dense_layers", m.num_dense_layers), ("moe_layers", m.num_moe_layers)):
-    if ex.pipelined(cfg, stack, S):
-      R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
-      share = n / max(m.num_hidden_layers, 1)  # of the step's layer compute (the head counted with the rest)
-      padded = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) / n  # identity padding runs too
-      if one_f_one_b:
-        from jaxseek.pipeline import tables
-
-        stretch = 1 / (1 - tables.for_config(cfg, S, R).bubble())
-        if cfg.train.remat != "full" and cfg.train.pipeline_recompute:  # b recomputes each chunk's forward
-          seconds += seconds * share * padded / 3
-      else:
-        stretch = 1 / (1 - pipeline_lib.bubble(cfg.train.pipeline_schedule, S, M, R))
-      bubble += seconds * share * (stretch * padded - 1)
-      if one_f_one_b and tables.pairs(cfg) and stack == "moe_layers" and m.num_dense_layers and \
-          not ex.pipelined(cfg, "dense_layers", S):  # a paired backward on virtual stage 0 runs the dense
-        table = tables.for_config(cfg, S, R)  # stack's forward again (pipeline/executor.py)
-        first_b = (table.virtual[np.arange(S)[None], np.maximum(table.b_chunk, 0)] == 0) & table.paired()
-        seconds += base * m.num_dense_layers / max(m.num_hidden_layers, 1) / 3 * first_b.sum() / M
-  return {"flops_per_device": per_device, "fp8_flops_per_device": fp8, "time_s": seconds, "bubble_s": bubble,
+    if not ex.pipelined(cfg, stack, S):
+      continue
+    if cfg.train.pipeline_schedule in pipeline_lib.ONE_F_ONE_B:
+      span, stages = table_span(model, sizes, hw, stack)
+      seconds = sum(stages) / S  # with the recomputed forwards and the identity padding's layers that run
+      bubble = span - seconds
+      break
+    R = pipeline_lib.stack_repeats(n, S, cfg.train.pipeline_repeats)
+    share = n / max(m.num_hidden_layers, 1)  # of the step's layer compute (the head counted with the rest)
+    padded = pipeline_lib.stored_layers(n, S, cfg.train.pipeline_repeats) / n  # identity padding runs too
+    stretch = 1 / (1 - pipeline_lib.bubble(cfg.train.pipeline_schedule, S, cfg.train.microbatches, R))
+    bubble += seconds * share * (stretch * padded - 1)
+  return {"flops_per_device": per_device, "fp8_flops_per_device": fp8, "time_s": seconds,
+          "bubble_s": bubble, **({"stage_work_s": stages} if stages else {}),
           "time_at_bf16_s": seconds * per_device / (per_device - fp8 + fp8 * hw.peak_tflops / hw.fp8_tflops)
           if fp8 else seconds}
+
+
+def table_span(model: ex.Model, sizes: dict[str, int], hw: Hardware, stack: str) -> tuple[float, list[float]]:
+  """(span, work per stage): the seconds at peak a table schedule's ticks take, each tick as long as the busiest
+  stage's work in it, and each stage's work. What the executor (pipeline/executor.py) runs where: a
+  chunk's forward F; its whole backward B = 2 F, plus F where b recomputes the chunk (train.pipeline_recompute,
+  or train.remat=full); split, b = F (+ F recomputed) and W = F. Virtual stage 0 also runs what lies before the
+  pipelined stack (the other layer stack) in its F, and in its backward again with that part's backward (and a
+  third time in a paired tick, train.pipeline_overlap); the last virtual stage runs what lies after (MTP, the
+  head, the loss), forward and backward, in the tick of its F. So the stages that hold the first and the last
+  virtual stage set the pace of every tick they work in (DeepSeek-V3 on 16 stages: stage 0 runs 3 dense layers
+  beside its 4 MoE layers). The identity layers that pad a stack run like the others, or not at all where the
+  executor skips them (`stages.skips_padding`: 1F1B's last stage, which runs the head, holds them)."""
+  from jaxseek.pipeline import stages as pipeline_lib
+  from jaxseek.pipeline import tables
+
+  cfg, m, t = model.cfg, model.cfg.model, model.cfg.train
+  S, M = sizes["pipeline"], t.microbatches
+  n = {"dense_layers": m.num_dense_layers, "moe_layers": m.num_moe_layers}[stack]
+  R = pipeline_lib.stack_repeats(n, S, t.pipeline_repeats)
+  table = tables.for_config(cfg, S, R)
+  fp8 = fp8_runs(cfg, hw)
+
+  def seconds(part: str) -> float:  # the part's training FLOPs per token at peak
+    flops, recipe = model.flops_by_part.get(part, (0.0, 0.0))
+    recipe = recipe if fp8 else 0.0
+    return (flops - recipe) / (hw.peak_tflops * 1e12) + (recipe / (hw.fp8_tflops * 1e12) if recipe else 0.0)
+
+  tokens = t.batch_size * t.seq_len / math.prod(sizes.values()) * S / M  # one microbatch on a stage's device
+  order = ("dense_layers", "moe_layers", "mtp_layers", "head")
+  before, after = order[:order.index(stack)], order[order.index(stack) + 1:]
+  layer = seconds(stack) / n / 3 * tokens  # one layer's forward
+  C = pipeline_lib.stored_layers(n, S, t.pipeline_repeats) // (S * R)
+  # the layers a chunk runs: identity padding (the last storage rows) is skipped where the executor skips it
+  real = pipeline_lib.chunk_layers(n, S, t.pipeline_repeats) if pipeline_lib.skips_padding(cfg) else np.full((S, R), C)
+  chunk = lambda c: np.where(c >= 0, real[np.arange(S)[None], np.maximum(c, 0)], 0) * layer
+  first = sum(seconds(p) for p in before) / 3 * tokens  # its forward
+  last = sum(seconds(p) for p in after) * tokens  # forward and backward
+  again = float(t.pipeline_recompute or t.remat == "full")
+  virtual = lambda chunk: np.where(chunk >= 0, table.virtual[np.arange(S)[None], np.maximum(chunk, 0)], -1)
+  fv, bv = virtual(table.f_chunk), virtual(table.b_chunk)
+  f, b = chunk(table.f_chunk), chunk(table.b_chunk)
+  cost = f + np.where(fv == 0, first, 0.0) + np.where(fv == S * R - 1, last, 0.0)
+  cost = cost + (b if table.split else 2 * b) + b * again + np.where(bv == 0, 3 * first, 0.0)
+  if table.split:
+    cost = cost + chunk(table.steps["w_chunk"])
+  elif tables.pairs(cfg):  # a paired backward on virtual stage 0 runs the first part's forward once more
+    cost = cost + np.where((bv == 0) & table.paired(), first, 0.0)
+  return float(cost.max(axis=1).sum()), [float(w) for w in cost.sum(axis=0)]
 
 
 def fp8_runs(cfg, hw: Hardware) -> bool:

@@ -64,6 +64,8 @@ class Model:
   mtp_parameters: int
   flops_per_token: float  # training (forward + backward) FLOPs per token, metrics.flops_per_token
   recipe_flops_per_token: float = 0.0  # the part train.fp8 runs in FP8: metrics.recipe_flops_per_token
+  # {part: (flops, recipe flops)} per token by the part that runs them (metrics.flops_by_part): the stages' shares
+  flops_by_part: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
   memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # per-mesh results (suggest)
 
   def with_train(self, **changes) -> "Model":
@@ -94,8 +96,9 @@ def describe(cfg: Config) -> Model:
     leaves.append(_leaf("other", kind, value, PARAM_RULES))
   total = sum(math.prod(x.shape) for x in leaves if x.kind == "params")
   mtp = sum(math.prod(x.shape) for x in leaves if x.kind == "params" and x.stack == "mtp_layers")
-  flops = metrics_lib.flops_per_token(cfg, state.params)
-  return Model(cfg, tuple(leaves), total, mtp, flops, metrics_lib.recipe_flops_per_token(cfg, state.params))
+  parts = metrics_lib.flops_by_part(cfg, state.params)
+  return Model(cfg, tuple(leaves), total, mtp, sum(f for f, _ in parts.values()), sum(r for _, r in parts.values()),
+               parts)
 
 
 def one_device_mesh() -> Mesh:

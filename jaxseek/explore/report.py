@@ -139,10 +139,21 @@ def print_communication(result: dict[str, Any], out: Console) -> None:
          f"{hw['fp8_tflops']:g} TFLOP/s; {seconds(compute['time_at_bf16_s'])} all at bfloat16)"
          if compute.get("fp8_flops_per_device") else "")
   out.print(f"compute {compute['flops_per_device']:.3g} FLOPs/device → {seconds(compute['time_s'])} at "
-                f"{hw['peak_tflops']:g} TFLOP/s{fp8}; pipeline bubble {seconds(compute['bubble_s'])}; step: bound "
+                f"{hw['peak_tflops']:g} TFLOP/s{fp8}; pipeline bubble {seconds(compute['bubble_s'])}{uneven_stages(compute)}; step: bound "
                 f"{seconds(result['step_time_s'])} at peak rates (no overlap of compute and collectives)")
   if result.get("prediction"):
     out.print(prediction_line(result["prediction"]))
+
+
+def uneven_stages(compute: dict[str, Any]) -> str:
+  """Where a table schedule's stages do unequal work: the busiest one, whose ticks set the pace."""
+  work = compute.get("stage_work_s")
+  if not work or max(work) <= 1.02 * sum(work) / len(work):
+    return ""
+  busiest = max(range(len(work)), key=work.__getitem__)
+  return (f", of it uneven stages: stage {busiest} works {max(work) / (sum(work) / len(work)):.2f}× the average "
+          f"(the first and last virtual stages also run the embedding, the layers outside the pipelined stack, "
+          f"the head and the loss)")
 
 
 def prediction_line(p: dict[str, Any]) -> str:

@@ -37,7 +37,7 @@ class Parts(NamedTuple):
 
 def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, batch_M, side_M, *,
         aux_cotangent: dict[str, float], per_row: tuple[str, ...], unsplit: tuple[bool, ...] | None = None,
-        pair: bool = False):
+        pair: bool = False, layers: np.ndarray | None = None):
   """The forward and backward of the whole model, its pipelined stack interleaved as `table` says.
 
   `parts`: first_fn(rest_params, batch_b) → x_bTD is the model before the pipelined stack for one microbatch
@@ -52,7 +52,8 @@ def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, bat
   when absent); entries named in `per_row` are per-sequence [C, b] and are summed over rows here. `pair`
   (train.pipeline_overlap): a tick whose forward and backward do not wait for each other (`Table.paired`) runs
   both in one branch with the chunks outside any conditional, so XLA can schedule each one's collectives beside
-  the other's compute (DualPipe's pairing); other ticks run as without it.
+  the other's compute (DualPipe's pairing); other ticks run as without it. `layers` [S, R]: how many of chunk
+  r's layers stage s runs (the rest identity padding, skipped: stage_fn gets layers=that count), None: all.
 
   Returns (g_stage_params, g_rest_params, stats summed over microbatches, aux summed over microbatches
   [L, ...]). Virtual stage 0 keeps no hidden state for its backward: it recomputes first_fn from the batch.
@@ -61,7 +62,7 @@ def run(table: Table, parts: Parts, stage_params, stage_consts, rest_params, bat
 
   def per_stage(sp, sc, rp, batch_M, side_M, aux_cotangent):
     stage = _Stage(table, parts, sp, sc, rp, batch_M, side_M, aux_cotangent=aux_cotangent, per_row=per_row,
-                   unsplit=unsplit, pair=pair)
+                   unsplit=unsplit, pair=pair, layers=layers)
     carry, _ = jax.lax.scan(stage.tick, stage.init(), jnp.arange(table.ticks))
     _, _, _, _, g_sp, g_rp, stats, aux_acc = carry
     shared = lambda tree: jax.tree.map(lambda a: a[None], tree)  # one stage holds each: summed outside
@@ -99,8 +100,9 @@ class _Stage:
   aux [R, C, ...])."""
 
   def __init__(self, table: Table, parts: Parts, sp, sc, rp, batch_M, side_M, *, aux_cotangent, per_row,
-               unsplit=None, pair=False):
+               unsplit=None, pair=False, layers=None):
     first_fn, stage_fn, post_fn = parts
+    self.layers = None if layers is None else jnp.asarray(layers, jnp.int32)
     self.table, self.first_fn, self.stage_fn, self.post_fn = table, first_fn, stage_fn, post_fn
     self.rp, self.batch_M, self.side_M, self.aux_cotangent = rp, batch_M, side_M, aux_cotangent
     self.s = jax.lax.axis_index(AXIS)
@@ -215,7 +217,8 @@ class _Stage:
       return jax.lax.cond(self.virtual[self.s, r] == 0, lambda: run(self.first(m)), lambda: run(x))
 
   def chunk(self, x, p, r, m, **unroll):
-    return self.stage_fn(x, p, _at(self.sc_R, r), _at(self.side_M, m), **unroll)
+    layers = {} if self.layers is None else {"layers": self.layers[self.s, r]}
+    return self.stage_fn(x, p, _at(self.sc_R, r), _at(self.side_M, m), **unroll, **layers)
 
   def first(self, m):
     return self.first_fn(self.rp, _at(self.batch_M, m))

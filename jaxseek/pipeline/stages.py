@@ -88,6 +88,26 @@ def stored_layers(num_layers: int, num_stages: int, repeats: int) -> int:
   return -(-num_layers // unit) * unit if unit else num_layers
 
 
+def chunk_layers(num_layers: int, num_stages: int, repeats: int) -> np.ndarray:
+  """[S, R]: how many layers chunk r of stage s holds, the rest of its rows identity padding (padding takes the
+  last storage positions, `storage_order`, so a chunk's padding follows its layers)."""
+  R, P = max(stack_repeats(num_layers, num_stages, repeats), 1), stored_layers(num_layers, num_stages, repeats)
+  return (np.arange(P) < num_layers).reshape(num_stages, R, -1).sum(-1)
+
+
+def skips_padding(cfg: Config) -> bool:
+  """Whether a chunk skips its identity padding layers (their rows all zero: they would add nothing) instead of
+  running them: under the table schedules whose backward recomputes the chunk whole (1F1B and interleaved 1F1B
+  with train.pipeline_recompute) in unpaired ticks. Padding is the last storage rows, so under 1F1B it lands on
+  the last stage, which also runs the head and the loss. Where the backward is split into b and W (the
+  zero-bubble schedules, 1F1B keeping the forward's residuals) or paired ticks interleave two chunks' layers,
+  the padding runs as layers."""
+  from jaxseek.pipeline import tables
+
+  t = cfg.train
+  return t.pipeline_schedule in tables.WHOLE_BACKWARD and t.pipeline_recompute and not tables.pairs(cfg)
+
+
 def num_ticks(num_stages: int, microbatches: int, repeats: int) -> int:
   """Ticks of the schedule: the last work item k_max starts on stage 0 and ends S − 1 ticks later."""
   S, M, R = num_stages, microbatches, max(repeats, 1)
