@@ -331,6 +331,20 @@ def test_layer_stacks_are_split_into_stages():
   assert "dense stack (1 layers) on every stage" in summary
 
 
+def test_the_start_up_line_says_where_the_other_stack_runs_and_whether_the_padding_does():
+  """5 MoE layers on 2 stages are stored as 6. Under 1F1B the dense layer runs with the first virtual stage and the
+  last stage skips its identity layer; paired ticks and GPipe run it (and GPipe runs the dense layer on every
+  stage, data-parallel)."""
+  line = lambda *over: pipeline.summary(load_config("tiny-v3", "model.num_hidden_layers=6", "mesh.pipeline=2",
+                                                    "mesh.data=4", "train.microbatches=4", *over), 2)
+  one_f_one_b = line(ONE_F_ONE_B)
+  assert "dense stack (1 layers) with the first virtual stage, on stage 0" in one_f_one_b
+  assert "MoE stack 3 layers per stage (1 identity padding, skipped)" in one_f_one_b
+  assert "(1 identity padding, run)" in line(ONE_F_ONE_B, PAIR) and "(1 identity padding, run)" in line(ONE_F_ONE_B, KEEP)
+  gpipe = line()
+  assert "dense stack (1 layers) on every stage" in gpipe and "(1 identity padding, run)" in gpipe
+
+
 def test_pipeline_longer_than_every_stack_is_refused():
   cfg = load_config("tiny-v3", "mesh.pipeline=4", "mesh.data=2")  # 1 dense and 2 MoE layers
   with pytest.raises(UserError, match="mesh.pipeline: 4 stages split neither layer stack"):

@@ -311,9 +311,12 @@ def summary(cfg: Config, stages: int, sizes: dict[str, int] | None = None) -> st
       r = stack_repeats(n, stages, R)
       rounds.add(r)
       padding = stored_layers(n, stages, R) - n
-      stacks.append(f"{name} stack ({n} layers) on every stage" if not r else
+      where = "with the first virtual stage, on stage 0" if cfg.train.pipeline_schedule in ONE_F_ONE_B else \
+          "on every stage"
+      stacks.append(f"{name} stack ({n} layers) {where}" if not r else
                     f"{name} stack {stored_layers(n, stages, R) // stages} layers per stage" +
-                    (f" in {r} chunks" if r > 1 else "") + (f" ({padding} identity padding)" if padding else ""))
+                    (f" in {r} chunks" if r > 1 else "") + (f" ({padding} identity padding{', skipped' if skips_padding(cfg) else ', run'})"
+                     if padding else ""))
   r = max(rounds)
   formula = "(S-1)/(M+S-1)" if r <= 1 else "(S-1)/(R*M+S-1)" if M % stages == 0 else "1-R*M/ticks"
   if cfg.train.pipeline_schedule in ONE_F_ONE_B:
