@@ -136,26 +136,7 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
                         cfg.train.remat)
   pair = tables.pairs(cfg)
 
-  def stage(x_bTD, chunk_p, chunk_c, side, unroll=False, layers=None):  # unrolled in paired ticks, so two chunks
-    run = lambda: jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
-    if layers is None:  # interleave
-      return run()
-
-    def first_layers():  # the chunk's first `layers` layers; the identity padding after them skipped
-      def layer(x, inputs):
-        p, c, i = inputs
-        ran = lambda: body(x, p, c, side)
-        skipped = lambda: (x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(ran)[1]))
-        return jax.lax.cond(i < layers, ran, skipped)
-
-      return jax.lax.scan(layer, x_bTD, (chunk_p, chunk_c, jnp.arange(chunk_size)))
-
-    return jax.lax.cond(layers == chunk_size, run, first_layers)
-
-  # identity padding (the last storage rows, all zeros) is skipped where pipeline_lib.skips_padding says so
-  chunk_size = pipeline_lib.stored_layers(n_layers, S, cfg.train.pipeline_repeats) // (S * table.repeats)
-  real = pipeline_lib.chunk_layers(n_layers, S, cfg.train.pipeline_repeats)
-  layers = real if pipeline_lib.skips_padding(cfg) and (real < chunk_size).any() else None
+  stage, layers = chunk_runner(cfg, body, n_layers, S, table.repeats)
 
   B, T = batch["inputs"].shape
   batch = dict(batch, positions=batch.get("positions", jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))))
@@ -174,6 +155,34 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
   balance = post_balance / M + (stage_aux["balance"].sum() / B if "balance" in stage_aux else 0.0)
   loads = {**post_loads, **{k: v for k, v in stage_aux.items() if k != "balance"}}
   return grads, ce_sum, mtp_sums, jnp.asarray(balance, jnp.float32), loads
+
+
+def chunk_runner(cfg: config_lib.Config, body: Callable, n_layers: int, S: int, R: int):
+  """(stage_fn, layers): one chunk of the pipelined stack as the executor runs it (`executor.Parts`), its layers
+  scanned (unrolled in paired ticks, so two chunks interleave), and [S, R] how many of each chunk's layers run
+  where the chunk skips its identity padding (the last storage rows, all zeros: `stages.skips_padding`), else
+  None."""
+  chunk_size = pipeline_lib.stored_layers(n_layers, S, cfg.train.pipeline_repeats) // (S * R)
+  real = pipeline_lib.chunk_layers(n_layers, S, cfg.train.pipeline_repeats)
+  layers = real if pipeline_lib.skips_padding(cfg) and (real < chunk_size).any() else None
+
+  def stage(x_bTD, chunk_p, chunk_c, side, unroll=False, layers=None):
+    run = lambda: jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
+    if layers is None:
+      return run()
+
+    def first_layers():  # the chunk's first `layers` layers; the identity padding after them skipped
+      def layer(x, inputs):
+        p, c, i = inputs
+        ran = lambda: body(x, p, c, side)
+        skipped = lambda: (x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(ran)[1]))
+        return jax.lax.cond(i < layers, ran, skipped)
+
+      return jax.lax.scan(layer, x_bTD, (chunk_p, chunk_c, jnp.arange(chunk_size)))
+
+    return jax.lax.cond(layers == chunk_size, run, first_layers)
+
+  return stage, layers
 
 
 def unsplit_leaves(params) -> tuple[bool, ...]:
