@@ -160,30 +160,25 @@ def pipelined_gradients(trainer: Trainer, cfg: config_lib.Config, state: TrainSt
 def chunk_runner(cfg: config_lib.Config, body: Callable, n_layers: int, S: int, R: int):
   """(stage_fn, layers): one chunk of the pipelined stack as the executor runs it (`executor.Parts`), its layers
   scanned (unrolled in paired ticks, so two chunks interleave), and [S, R] how many of each chunk's layers run
-  where the chunk skips its identity padding (the last storage rows, all zeros: `stages.skips_padding`), else
-  None."""
+  where chunks skip their identity padding (the last storage rows, all zeros: `stages.skips_padding`), else None.
+  stage_fn(..., layers=k) runs the chunk's first k layers (k a Python int: the executor picks the program of the
+  count its chunk holds) and gives the padding's aux rows as zeros."""
   chunk_size = pipeline_lib.stored_layers(n_layers, S, cfg.train.pipeline_repeats) // (S * R)
   real = pipeline_lib.chunk_layers(n_layers, S, cfg.train.pipeline_repeats)
   layers = real if pipeline_lib.skips_padding(cfg) and (real < chunk_size).any() else None
 
   def stage(x_bTD, chunk_p, chunk_c, side, unroll=False, layers=None):
-    run = lambda: jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD, (chunk_p, chunk_c), unroll=unroll)
-    if layers is None:
-      return run()
-
-    def first_layers():  # the chunk's first `layers` layers; the identity padding after them skipped
-      def layer(x, inputs):
-        p, c, i = inputs
-        ran = lambda: body(x, p, c, side)
-        skipped = lambda: (x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(ran)[1]))
-        return jax.lax.cond(i < layers, ran, skipped)
-
-      return jax.lax.scan(layer, x_bTD, (chunk_p, chunk_c, jnp.arange(chunk_size)))
-
-    return jax.lax.cond(layers == chunk_size, run, first_layers)
+    run = lambda n: jax.lax.scan(lambda x, layer: body(x, *layer, side), x_bTD,
+                                 jax.tree.map(lambda a: a[:n], (chunk_p, chunk_c)), unroll=unroll)
+    if layers is None or layers == chunk_size:
+      return run(chunk_size)
+    aux_shape = jax.eval_shape(lambda: run(chunk_size))[1]
+    y_bTD, aux = run(layers) if layers else (x_bTD, None)
+    pad = lambda f, a=None: jnp.concatenate(
+        ([a] if a is not None else []) + [jnp.zeros((chunk_size - layers, *f.shape[1:]), f.dtype)])
+    return y_bTD, jax.tree.map(pad, aux_shape, *([aux] if aux is not None else []))
 
   return stage, layers
-
 
 def unsplit_leaves(params) -> tuple[bool, ...]:
   """For each leaf of an nnx State, whether its placement splits it over no mesh axis but `pipeline` and those

@@ -7,6 +7,8 @@ them out.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, NamedTuple
 
 import jax
@@ -102,7 +104,9 @@ class _Stage:
   def __init__(self, table: Table, parts: Parts, sp, sc, rp, batch_M, side_M, *, aux_cotangent, per_row,
                unsplit=None, pair=False, layers=None):
     first_fn, stage_fn, post_fn = parts
-    self.layers = None if layers is None else jnp.asarray(layers, jnp.int32)
+    # the layer counts chunks hold where padding is skipped (a program each, `chunk`), and each chunk's one
+    self.counts = None if layers is None else tuple(int(k) for k in np.unique(layers))
+    self.count_of = None if layers is None else jnp.asarray(np.searchsorted(self.counts, layers), jnp.int32)
     self.table, self.first_fn, self.stage_fn, self.post_fn = table, first_fn, stage_fn, post_fn
     self.rp, self.batch_M, self.side_M, self.aux_cotangent = rp, batch_M, side_M, aux_cotangent
     self.s = jax.lax.axis_index(AXIS)
@@ -216,9 +220,20 @@ class _Stage:
     with jax.named_scope("pipeline_forward"):
       return jax.lax.cond(self.virtual[self.s, r] == 0, lambda: run(self.first(m)), lambda: run(x))
 
-  def chunk(self, x, p, r, m, **unroll):
-    layers = {} if self.layers is None else {"layers": self.layers[self.s, r]}
-    return self.stage_fn(x, p, _at(self.sc_R, r), _at(self.side_M, m), **unroll, **layers)
+  def chunk(self, x, p, r, m, layers=None, **unroll):
+    """Chunk r's layers on microbatch m; where chunks skip their padding, the program of its layer count (or of
+    `layers`)."""
+    run = lambda k: self.stage_fn(x, p, _at(self.sc_R, r), _at(self.side_M, m), **unroll,
+                                  **({} if k is None else {"layers": k}))
+    if layers is not None or self.counts is None:
+      return run(layers)
+    return jax.lax.switch(self.count_of[self.s, r], [functools.partial(run, k) for k in self.counts])
+
+  def _pulled(self, x, r, m, g_y, layers=None):
+    """The whole backward of chunk r (its forward recomputed): (the input's cotangent, the weights')."""
+    (_, aux), pull = jax.vjp(lambda x, p: self.chunk(x, p, r, m, layers), x, _at(self.sp_R, r))
+    g_x, g_p = pull((g_y, {k: _cotangent(a, self.aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
+    return g_x, jax.tree.leaves(g_p)
 
   def first(self, m):
     return self.first_fn(self.rp, _at(self.batch_M, m))
@@ -241,9 +256,12 @@ class _Stage:
       if self.table.split:
         outs, stash = self.wsplit.b(*self._flat(x, _at(self.sp_R, r), _at(self.sc_R, r), _at(self.side_M, m), g_y))
         return outs[0], outs[1:], stash
-      (_, aux), pull = jax.vjp(lambda x, p: self.chunk(x, p, r, m), x, _at(self.sp_R, r))
-      g_x, g_p = pull((g_y, {k: _cotangent(a, self.aux_cotangent.get(k, 0.0)) for k, a in aux.items()}))
-      return g_x, jax.tree.leaves(g_p), []
+      if self.counts is None:
+        return (*self._pulled(x, r, m, g_y), [])
+      # the layer count chosen outside the vjp: each program keeps its own residuals (a conditional inside the vjp
+      # would keep every branch's)
+      return (*jax.lax.switch(self.count_of[self.s, r], [functools.partial(self._pulled, x, r, m, g_y, layers=k)
+                                                          for k in self.counts]), [])
 
     def first():
       lay = self.layout
