@@ -33,7 +33,10 @@ def main() -> int:
   parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="change the model")
   args = parser.parse_args()
 
+  import bench_vs_hf
   import common
+
+  bench_vs_hf._jax_overrides([])
 
   model = common.parse_sets(["vocab_size=4096", *args.set], common.SMALL_V3)
   tokens = np.random.default_rng(0).integers(0, model["vocab_size"], (args.batch, args.seq + 1), dtype=np.int32)

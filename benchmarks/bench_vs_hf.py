@@ -47,12 +47,12 @@ CHECK_FRACTION = 0.8
 
 
 def _jax_overrides(items: list[str]) -> list[str]:
-  """Set the simulated device count before JAX starts (a --jax mesh.num_cpu_devices=N)."""
-  for item in items:
-    if item.startswith("mesh.num_cpu_devices="):
-      import jax
+  """Before JAX starts, what `python -m jaxseek.train` sets there (sharding/mesh.py simulate_cpu_devices): the
+  simulated device count of a --jax mesh.num_cpu_devices=N, single-device programs on the calling thread."""
+  from jaxseek.sharding import mesh as mesh_lib
 
-      jax.config.update("jax_num_cpu_devices", int(item.split("=", 1)[1]))
+  counts = [int(item.split("=", 1)[1]) for item in items if item.startswith("mesh.num_cpu_devices=")]
+  mesh_lib.simulate_cpu_devices(counts[-1] if counts else None)
   return items
 
 

@@ -26,6 +26,7 @@ from jaxseek.model import remat as remat_lib
 from jaxseek.model.transformer import shift_left, target_exists
 from jaxseek.pipeline import stages as pipeline_lib
 from jaxseek.sharding import compression, experts
+from jaxseek.sharding import mesh as mesh_lib
 from jaxseek.sharding import gradsum
 from jaxseek.sharding import rules
 from jaxseek.sharding.rules import param_spec, shard, state_rules
@@ -139,6 +140,8 @@ def make_trainer(cfg: config_lib.Config, mesh: Mesh, backend_checks: bool = True
   full model never exists unsharded on one device."""
 
   check_setup(cfg, mesh, backend_checks)
+  if mesh.devices.flat[0].platform == "cpu":
+    mesh_lib.keep_host_memory()
 
   exchange = experts.Settings.from_config(cfg.model, experts.node_shards(mesh, cfg.mesh.devices_per_node,
                                                                             experts.expert_axes(cfg.model)))

@@ -446,3 +446,65 @@ def test_bfloat16_experts_run_the_fp8_recipes_swiglu(impl):
     off = ~np.isclose(a, b, rtol=2.0 ** -7, atol=2.0 ** -8 * np.abs(b).max())
     print(f"{impl} {name}: {(a != b).mean():.3%} differ, {off.mean():.3%} more than a step")
     assert (a != b).mean() <= 5e-3 and not off.any(), (name, (a != b).mean(), off.mean())
+
+
+def _transposes(fn, *args) -> list[str]:
+  """The transpose instructions of fn's compiled CPU program."""
+  return [line for line in jax.jit(fn).lower(*args).compile().as_text().splitlines() if " transpose(" in line]
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", [("BTD,DF->BTF", (2, 8, 16), (16, 24)),
+                                                  ("BTNP,NPD->BTD", (2, 8, 3, 4), (3, 4, 16)),
+                                                  ("BTQ,QNH->BTNH", (2, 8, 16), (16, 3, 4))])
+def test_cpu_projections_run_as_one_matrix_product_whose_weight_gradient_needs_no_transposed_copy(
+    spec, x_shape, w_shape):
+  """On CPU a projection runs as [rows, K]·[K, columns] (fp8_gemm._flat): its weight gradient then contracts one
+  dimension, the rows, and XLA:CPU reads both operands as they are. As an einsum over two leading letters it
+  contracted two, and XLA:CPU first copied the activation's gradient transposed ([F, B, T]: 58 ms a step of the
+  dense layer's backward in benchmarks/profile_step.py). Values and both gradients equal the einsum's."""
+  from jaxseek.kernels import fp8_gemm
+
+  kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+  x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+  g = jax.random.normal(kg, jnp.einsum(spec, x, w).shape)
+  assert fp8_gemm.flat_gemm()
+  loss = lambda f: (lambda x, w: (jax.nn.silu(f(x, w)) * g).sum())  # an elementwise op makes the gradient
+  flat, einsum = (lambda x, w: fp8_gemm.einsum(spec, x, w, None)), (lambda x, w: jnp.einsum(spec, x, w))
+  np.testing.assert_allclose(flat(x, w), einsum(x, w), rtol=1e-6, atol=1e-6)
+  for got, want in zip(jax.grad(loss(flat), (0, 1))(x, w), jax.grad(loss(einsum), (0, 1))(x, w)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  backward = jax.grad(loss(flat), (0, 1))
+  assert _transposes(backward, x, w) == []
+
+
+def test_the_host_keeps_a_cpu_programs_temporaries_between_runs(tmp_path):
+  """sharding/mesh.py keep_host_memory with simulate_cpu_devices: a one-device CPU program's temporaries (one
+  block per run) come from memory malloc keeps, where without them the kernel maps and zero-fills the block
+  page by page on every run (minor page faults ≈ its pages)."""
+  import subprocess
+  import sys
+
+  script = tmp_path / "faults.py"
+  script.write_text(
+      "import resource, sys\n"
+      "import jax, jax.numpy as jnp\n"
+      "from jaxseek.sharding import mesh as mesh_lib\n"
+      "if sys.argv[1] == 'kept':\n"
+      "  mesh_lib.simulate_cpu_devices(None)\n"
+      "  assert mesh_lib.keep_host_memory()\n"
+      "f = jax.jit(lambda x: (jnp.cos(jnp.sin(x) * 2) @ jnp.sin(x)).sum())\n"
+      "x = jnp.ones((2048, 2048))\n"
+      "temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes\n"
+      "f(x).block_until_ready(); f(x).block_until_ready()\n"
+      "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+      "for _ in range(4): f(x).block_until_ready()\n"
+      "print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4, temp // 4096)\n")
+  env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+  env["JAX_PLATFORMS"] = "cpu"
+  out = {mode: [float(v) for v in subprocess.run([sys.executable, str(script), mode], capture_output=True,
+                                                   text=True, check=True, env=env).stdout.split()]
+         for mode in ("kept", "default")}
+  (kept, pages), (default, _) = out["kept"], out["default"]
+  assert pages > 8000  # a 32 MiB block or more: past malloc's mmap threshold
+  assert default > 0.5 * pages, out  # the fault this guards against: every run maps its temporaries anew
+  assert kept < 0.05 * pages, out

@@ -95,10 +95,29 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, upcast: bo
   """jnp.einsum(spec, x, w) with its forward and both gradients' GEMMs run as `recipe` says (None: as is);
   `upcast`: each GEMM multiplies float32 copies of its e4m3 operands (the same sums; the GPU check's reference)."""
   if recipe is None:
-    return jnp.einsum(spec, x, w)
+    return _flat(spec, x, w) if flat_gemm() else jnp.einsum(spec, x, w)
   if recipe == "blockwise":
     return _blockwise(spec, x, w)
   return _projection(spec, recipe, upcast)(x, w)
+
+
+def flat_gemm() -> bool:
+  """Whether a projection runs as one matrix product of x's rows (its leading letters merged) and w's columns:
+  on CPU, where no mesh axis splits x past its leading dimension (context and tensor of size 1)."""
+  if gpu.platform() != "cpu":
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or all(mesh.shape.get(a, 1) == 1 for a in ("context", "tensor"))
+
+
+def _flat(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """jnp.einsum(spec, x, w) as [rows, K] · [K, columns]: XLA:CPU then gives the weight gradient one contracted
+  dimension (the rows) and runs it without first copying the gradient transposed."""
+  n = Letters(spec)
+  lead, out = x.shape[:len(n.xb)], w.shape[len(n.c):]
+  K = math.prod(w.shape[:len(n.c)])
+  with jax.named_scope(spec):
+    return jnp.dot(x.reshape(-1, K), w.reshape(K, -1)).reshape(*lead, *out)
 
 
 def _blockwise(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
