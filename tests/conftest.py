@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # as python -m jaxseek.train runs (sharding/mesh.py)
 jax.config.update("jax_platforms", "cpu")
 
 import pytest  # noqa: E402
