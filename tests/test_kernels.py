@@ -506,5 +506,7 @@ def test_the_host_keeps_a_cpu_programs_temporaries_between_runs(tmp_path):
          for mode in ("kept", "default")}
   (kept, pages), (default, _) = out["kept"], out["default"]
   assert pages > 8000  # a 32 MiB block or more: past malloc's mmap threshold
-  assert default > 0.5 * pages, out  # the fault this guards against: every run maps its temporaries anew
-  assert kept < 0.05 * pages, out
+  # the fault this guards against maps the block anew every run: a fault per page or more (1.25 measured). Kept,
+  # it is 0 alone; other work on the machine left up to a quarter (malloc placing the block partly on new heap)
+  assert default > 0.9 * pages, out
+  assert kept < 0.5 * pages, out
