@@ -22,6 +22,7 @@ from jaxseek.explore import core as explore
 from jaxseek.explore import layout as explore_layout
 from jaxseek.explore import suggest as explore_suggest
 from jaxseek.input.batches import batch_shardings
+from jaxseek.model import transformer
 from jaxseek.sharding.mesh import make_mesh
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -205,7 +206,7 @@ def test_compiled_figures_and_collective_counts_match_the_module(tmp_path):
   trainer = step_lib.make_trainer(cfg, mesh)
   batch = {k: jax.ShapeDtypeStruct((16, 16), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=s)
            for k, s in batch_shardings(mesh).items()}
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), transformer.scanned():  # as --compile compiles it (explore/compile.py)
     text = step_lib.compile_step(trainer, cfg, mesh).lower(trainer.abstract_state, batch).compile().as_text()
   reported = {kind: sum(by_axes.values()) for kind, by_axes in compiled["collectives"].items()}
   assert reported == collective_counts(text) and sum(reported.values()) > 10

@@ -510,3 +510,34 @@ def test_the_host_keeps_a_cpu_programs_temporaries_between_runs(tmp_path):
   # it is 0 alone; other work on the machine left up to a quarter (malloc placing the block partly on new heap)
   assert default > 0.9 * pages, out
   assert kept < 0.5 * pages, out
+
+
+def test_short_layer_stacks_run_unrolled_on_cpu_and_train_as_the_scan_does():
+  """transformer.unroll_layers: on CPU a stack of at most UNROLL_LAYERS layers is traced unrolled, without XLA:CPU's
+  loop over its layers (which sliced each layer's weights out of the stacks and wrote every residual into a
+  zero-filled stacked buffer: docs/cpu.md); under transformer.scanned(), as the explorer's --compile traces it,
+  it is a lax.scan. Three training steps of both agree to float32 rounding."""
+  import contextlib
+
+  from conftest import load_config, run_steps
+  from jaxseek import step as step_lib
+  from jaxseek.input import global_batches
+  from jaxseek.model import transformer
+  from jaxseek.sharding.mesh import make_mesh
+
+  cfg = load_config("tiny-v3", "mesh.data=1", "mesh.fsdp=1", "model.num_hidden_layers=4")  # MoE stack: 3 layers
+
+  def run(scan: bool):
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    with transformer.scanned() if scan else contextlib.nullcontext():
+      trainer, state = step_lib.init_state(cfg, mesh)
+      with jax.set_mesh(mesh):
+        text = step_lib.compile_step(trainer, cfg, mesh).lower(state, next(global_batches(cfg, mesh))).compile()
+      _, records = run_steps(cfg, mesh, trainer, state, global_batches(cfg, mesh), 3)
+    loops = text.as_text().count('known_trip_count":{"n":"3"}')  # loops over the MoE stack's layers
+    return loops, np.array([r["loss"] for r in records]), np.array([r["grad_norm"] for r in records])
+
+  (unrolled, losses, norms), (scanned, ref_losses, ref_norms) = run(False), run(True)
+  assert (unrolled, scanned) == (0, 2), (unrolled, scanned)  # the MoE stack's loop, forward and backward
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)

@@ -61,6 +61,7 @@ def expected_collectives(communication: dict[str, list[dict[str, Any]]]) -> dict
 def compile_train_step(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
   """Compiles the train step on the first prod(sizes) devices; returns XLA's memory figures and collectives."""
   from jaxseek import step as step_lib
+  from jaxseek.model import transformer
   from jaxseek.sharding import mesh as mesh_lib
 
   n = int(np.prod(list(sizes.values())))
@@ -72,7 +73,7 @@ def compile_train_step(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
   step = step_lib.compile_step(trainer, cfg, mesh)
   shape = (cfg.train.batch_size, cfg.train.seq_len)
   batch = abstract_batch(cfg, mesh)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), transformer.scanned():  # the layer loop the estimate models, on CPU too
     compiled = step.lower(trainer.abstract_state, batch).compile()
   stats = compiled.memory_analysis()
   text = compiled.as_text()

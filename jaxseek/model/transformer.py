@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable
 
 import jax
@@ -10,6 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxseek.config import ModelConfig
+from jaxseek.kernels.gpu import platform
 from jaxseek.model.attention import make_attention
 from jaxseek.model.layers import MLP, Embed, RMSNorm, param
 from jaxseek.model import remat as remat_lib
@@ -25,6 +28,32 @@ STACKS = ("dense_layers", "moe_layers")  # the model's scanned layer stacks (lea
 # run_stack(body, layer_state, x_BTD, side, num_layers) → (x_BTD, aux), or None for the stack's own lax.scan:
 # how something outside the model (a pipeline schedule, pipeline/stages.py) runs a layer stack
 RunStack = Callable[..., "tuple[jax.Array, dict] | None"]
+
+
+UNROLL_LAYERS = 4  # CPU: layer stacks of at most this many layers run unrolled
+
+
+def unroll_layers(num_layers: int, where: str | None = None) -> bool:
+  """Whether a stack of `num_layers` layers runs unrolled instead of as a `lax.scan`: on CPU, when it is short.
+  XLA:CPU runs a scan's body as a loop that slices each layer's weights out of the stacked arrays and writes
+  every residual into a zero-filled stacked buffer that the backward reads back; unrolled, none of these copies
+  run (benchmarks/bench_vs_hf.py's step: 0.857 of the scanned step's time, docs/cpu.md). Accelerators keep the
+  scan, whose compile time does not grow with depth. A pipeline's chunks keep theirs."""
+  return (where or platform()) == "cpu" and num_layers <= UNROLL_LAYERS and not _SCANNED.get()
+
+
+_SCANNED = contextvars.ContextVar("scanned", default=False)
+
+
+@contextlib.contextmanager
+def scanned():
+  """Traces every layer stack as a `lax.scan`, as accelerators run it, on CPU too (the explorer's --compile,
+  whose memory estimate models the scan's loop)."""
+  token = _SCANNED.set(True)
+  try:
+    yield
+  finally:
+    _SCANNED.reset(token)
 
 
 class Block(nnx.Module):
@@ -100,7 +129,8 @@ class Stack(nnx.Module):
     ran = None if self.run_stack is None else self.run_stack(body, state, x_BTD, side, self.num_layers)
     if ran is not None:
       return ran
-    return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state)
+    return jax.lax.scan(lambda x_BTD, layer_state: body(x_BTD, layer_state, side), x_BTD, state,
+                        unroll=unroll_layers(self.num_layers))
 
 
 class MTPLayer(nnx.Module):
