@@ -541,3 +541,29 @@ def test_short_layer_stacks_run_unrolled_on_cpu_and_train_as_the_scan_does():
   assert (unrolled, scanned) == (0, 2), (unrolled, scanned)  # the MoE stack's loop, forward and backward
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+
+
+def test_cpu_projections_in_16_bits_accumulate_in_float32_and_round_once():
+  """fp8_gemm._rows16: on CPU a bfloat16 projection multiplies the bfloat16 operands into a float32 result, rounded
+  to bfloat16 after, and so do its gradients. A product with a bfloat16 result XLA:CPU ran on float32 copies of
+  its operands (2.5 times as long at the benchmark's head shape: docs/cpu.md); the forward has none now (the
+  einsum's had two). The weight gradient, which contracts the rows, XLA:CPU still runs on a float32 copy of x.
+  Values and gradients are those of float32 to bfloat16 rounding."""
+  import re
+
+  from jaxseek.kernels import fp8_gemm
+
+  spec = "BTD,DF->BTF"
+  kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+  x, w, g = (jax.random.normal(k, s).astype(jnp.bfloat16) for k, s in ((kx, (2, 8, 32)), (kw, (32, 24)),
+                                                                        (kg, (2, 8, 24))))
+  project = lambda x, w: fp8_gemm.einsum(spec, x, w, None)
+  grad = jax.grad(lambda x, w: (project(x, w) * g).sum(), (0, 1))
+  upcasts = lambda f: re.findall(r"= f32\[[\d,]*\]\{[\d,]*\} convert\(", jax.jit(f).lower(x, w).compile().as_text())
+  assert upcasts(project) == []
+  f32 = lambda *a: [b.astype(jnp.float32) for b in a]
+  np.testing.assert_allclose(np.asarray(project(x, w), np.float32), jnp.einsum(spec, *f32(x, w)), rtol=1e-2,
+                             atol=2e-2)
+  ref = jax.grad(lambda x, w: (jnp.einsum(spec, x, w) * g.astype(jnp.float32)).sum(), (0, 1))(*f32(x, w))
+  for got, want in zip(grad(x, w), ref):
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=5e-2)
