@@ -216,8 +216,10 @@ def main() -> int:
   parser.add_argument("--bound", type=float, default=1.15, help="exit 1 when the median pair ratio exceeds it")
   parser.add_argument("--results", default=None)
   args = parser.parse_args()
-  jax.config.update("jax_num_cpu_devices", args.devices)
   import common
+  from jaxseek.sharding.mesh import simulate_cpu_devices
+
+  simulate_cpu_devices(args.devices)  # as python -m jaxseek.train starts the simulated devices
 
   ref, timed = args.schedules
   runs = {name: compile_schedule(name, args) for name in args.schedules}

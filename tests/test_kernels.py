@@ -567,3 +567,33 @@ def test_cpu_projections_in_16_bits_accumulate_in_float32_and_round_once():
   ref = jax.grad(lambda x, w: (jnp.einsum(spec, x, w) * g.astype(jnp.float32)).sum(), (0, 1))(*f32(x, w))
   for got, want in zip(grad(x, w), ref):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-v3"])
+def test_cpu_rotary_tables_are_computed_once_a_layer_and_equal_the_direct_formula(name):
+  """rope.rotary on CPU: cos and sin come out of one conditional a layer (a [T, 2, R] table looked up where the
+  positions lie in [0, T), else computed directly), so a layer's gradient evaluates each once in each branch.
+  Computed in place, XLA:CPU fused them into every rotation and its gradient and evaluated them again per head
+  (seven fusions a layer in a zero-bubble pipeline's backward: docs/pipeline.md). Both branches give the
+  direct formula's values bit for bit: packed positions, positions past T (a decode step's) and T = 1."""
+  from flax import nnx
+
+  from conftest import load_config
+  from jaxseek.model import attention, rope
+
+  cfg = load_config(name).model
+  attn = attention.make_attention(cfg, param_dtype=jnp.float32, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  B, T, D = 2, 12, cfg.hidden_size
+  x = jax.random.normal(jax.random.key(0), (B, T, D), jnp.float32)
+  positions = jnp.asarray([list(range(5)) + list(range(7)), list(range(T))], jnp.int32)
+  segments = jnp.asarray([[1] * 5 + [2] * 7, [1] * T], jnp.int32)
+  loss = lambda a, x, p, s: jnp.sum(a(x, p, s) ** 2)
+  hlo = jax.jit(jax.grad(loss, argnums=1)).lower(attn, x, positions, segments).compile().as_text()
+  assert hlo.count(" cosine(") == 2 and hlo.count(" sine(") == 2, (hlo.count(" cosine("), hlo.count(" sine("))
+
+  inv_freq, factor = attention.rope_tables(8, cfg)
+  for p in (positions, positions + 100, positions[:, :1] + 3, -positions):
+    got = jax.jit(lambda p: rope.rotary(p, inv_freq, factor))(p)
+    want = rope._cos_sin(np.asarray(p)[..., None], inv_freq, factor)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -18,7 +18,7 @@ from jaxseek.config import ModelConfig
 from jaxseek.kernels import fp8_gemm
 from jaxseek.kernels.attention import attend
 from jaxseek.model.layers import RMSNorm, param
-from jaxseek.model.rope import apply_rope, inverse_frequencies, softmax_scale_factor
+from jaxseek.model.rope import apply_rope, inverse_frequencies, rotary, softmax_scale_factor
 from jaxseek.sharding import context
 from jaxseek.sharding.rules import shard
 
@@ -55,8 +55,9 @@ class Attention(nnx.Module):
     q_BTNH = self.proj("BTD,DNH->BTNH", x_BTD, self.w_q_DNH)
     k_BTGH = self.proj("BTD,DGH->BTGH", x_BTD, self.w_k_DGH)
     v_BTGH = self.proj("BTD,DGH->BTGH", x_BTD, self.w_v_DGH)
-    q_BTNH = shard(apply_rope(q_BTNH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "heads", None))
-    k_BTGH = shard(apply_rope(k_BTGH, positions_BT, self.inv_freq, self.rope_factor), ("batch", "length", "kv_heads", None))
+    rope = rotary(positions_BT, self.inv_freq, self.rope_factor)
+    q_BTNH = shard(apply_rope(q_BTNH, rope), ("batch", "length", "heads", None))
+    k_BTGH = shard(apply_rope(k_BTGH, rope), ("batch", "length", "kv_heads", None))
     return q_BTNH, k_BTGH, v_BTGH
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -123,8 +124,8 @@ class MLA(nnx.Module):
       qr_BTNR = self.proj("BTD,DNR->BTNR", x_BTD, self.w_qr_DNR)
     ckv_BTC = checkpoint_name(self.kv_norm(self.proj("BTD,DC->BTC", x_BTD, self.w_dkv_DC)), "kv_latent")
     kr_BT1R = self.proj("BTD,DR->BTR", x_BTD, self.w_kr_DR)[:, :, None, :]
-    qr_BTNR = apply_rope(qr_BTNR, positions_BT, self.inv_freq, self.rope_factor)
-    kr_BT1R = apply_rope(kr_BT1R, positions_BT, self.inv_freq, self.rope_factor)
+    rope = rotary(positions_BT, self.inv_freq, self.rope_factor)
+    qr_BTNR, kr_BT1R = apply_rope(qr_BTNR, rope), apply_rope(kr_BT1R, rope)
     return q_BTNH, qr_BTNR, ckv_BTC, kr_BT1R
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):

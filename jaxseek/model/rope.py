@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxseek.kernels.gpu import platform
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
   return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -66,11 +68,40 @@ def softmax_scale_factor(scaling: dict | None) -> float:
   return _yarn_mscale(float(scaling["factor"]), scaling["mscale_all_dim"]) ** 2
 
 
-def apply_rope(x_BTNR: jax.Array, positions_BT: jax.Array, inv_freq, attention_factor: float) -> jax.Array:
-  """x * cos + rotate_half(x) * sin, with angles positions × inv_freq, computed in float32."""
-  angles_BTr = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-  angles_BTR = jnp.concatenate([angles_BTr, angles_BTr], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles_BTR) * attention_factor, jnp.sin(angles_BTR) * attention_factor
+def rotary(positions_BT: jax.Array, inv_freq, attention_factor: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin [B, T, 1, R] (float32, times attention_factor) of the angles positions × inv_freq, each
+  frequency twice (rotate-half layout), for every head of a layer's queries and keys.
+
+  On CPU, where positions lie in [0, T) (a training or evaluation batch: offsets inside its documents), they are
+  rows of a [T, 2, R] table looked up by position, inside a conditional whose other branch computes them
+  directly (any other positions, a decode step's). The conditional's result is a buffer the rotations read:
+  otherwise XLA:CPU fuses cos and sin into each of their consumers and evaluates them again for every head in
+  each (a layer's backward had 7 fusions that did, 8% of a zero-bubble pipeline step's CPU time). The values
+  are the same either way."""
+  if platform() != "cpu":
+    return _cos_sin(positions_BT[..., None], inv_freq, attention_factor)
+  T = positions_BT.shape[1]
+
+  def looked_up(p_BT):
+    table_T2R = jnp.stack(_cos_sin(jnp.arange(T, dtype=positions_BT.dtype), inv_freq, attention_factor), axis=1)
+    rows_BT2R = jnp.take(table_T2R, p_BT, axis=0, mode="clip")
+    return rows_BT2R[:, :, :1], rows_BT2R[:, :, 1:]
+
+  inside = jnp.all((positions_BT >= 0) & (positions_BT < T))
+  return jax.lax.cond(inside, looked_up, lambda p_BT: _cos_sin(p_BT[..., None], inv_freq, attention_factor),
+                      positions_BT)
+
+
+def _cos_sin(positions, inv_freq, attention_factor: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of positions[..., None] × inv_freq, each frequency twice, times attention_factor."""
+  angles_r = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+  angles_R = jnp.concatenate([angles_r, angles_r], axis=-1)
+  return jnp.cos(angles_R) * attention_factor, jnp.sin(angles_R) * attention_factor
+
+
+def apply_rope(x_BTNR: jax.Array, rotary_BT1R: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """x * cos + rotate_half(x) * sin in float32, with `rotary`'s cos and sin."""
+  cos, sin = rotary_BT1R
   x = x_BTNR.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
