@@ -196,8 +196,15 @@ class _Plan:
     read_w = {v for p in parts if p.side == "w" or p.dup for v in p.eqn.invars if not _literal(v)}
     read_w |= {v for p in parts if p.side == "split" and any(p.sub.want_w) for v in p.sub.w_inputs()}
     need_w -= {outs[i] for i in self.early} - read_w
-    self.residuals = [v for v in _ordered(need_w, jaxpr)
-                      if v not in produced_w and v in have_b and v not in w_free and v not in self.aliases]
+    residuals = [v for v in _ordered(need_w, jaxpr)
+                 if v not in produced_w and v in have_b and v not in w_free and v not in self.aliases]
+    # a value computed more than once (the forward reshapes a layer's normed input once per projection) is
+    # stashed once; W reads the others as that one
+    value = _values(jaxpr)
+    first = {}
+    self.same = {v: first.setdefault(value.get(v, v), v) for v in residuals}
+    self.same = {v: k for v, k in self.same.items() if v is not k}
+    self.residuals = [v for v in residuals if v not in self.same]
     self.w_outs = [i for i, b in enumerate(want_b) if b is False and i not in self.early]
 
   def b_inputs(self) -> list:
@@ -237,6 +244,7 @@ class _Plan:
   def run_w(self, env: dict, stash: list) -> None:
     own, nested = stash
     env.update(zip(self.residuals, own))
+    env.update((v, env[k]) for v, k in self.same.items())
     env.update((o, env[a]) for o, a in self.aliases.items() if a in env)
     it = iter(nested)
     for part in self.parts:
@@ -260,6 +268,40 @@ def _passed_through(jaxpr: jcore.Jaxpr) -> dict:
       if not _literal(v) and v in xs_in and not _literal(xs_in[v]):
         out[o] = xs_in[v]
   return out
+
+
+def _values(jaxpr: jcore.Jaxpr) -> dict:
+  """A key per equation output of the jaxpr, equal for two outputs that are the same value: the same primitive
+  with the same parameters on the same values (value numbering; for a scan, two stacked outputs its body computes
+  alike). Equations with effects or a jaxpr among their parameters (other than a scan) get keys of their own."""
+  key: dict = {}
+  atom = lambda v: ("literal", repr(v.val), str(v.aval)) if _literal(v) else key.get(v, ("var", id(v)))
+  for eqn in jaxpr.eqns:
+    name, params = eqn.primitive.name, eqn.params
+    if eqn.effects:
+      continue
+    if name == "scan":
+      body = params["jaxpr"].jaxpr
+      inner = _values(body)
+      n = params["num_carry"]
+      ins = tuple(atom(v) for v in eqn.invars)
+      for i, (o, b) in enumerate(zip(eqn.outvars[n:], body.outvars[n:])):
+        # a stacked output the body computes from its inputs alike (a body invar counts by its position)
+        at = {v: ("in", k) for k, v in enumerate(body.invars)}
+        own = at.get(b) if not _literal(b) else ("literal", repr(b.val))
+        key[o] = ("scan", ins, repr({k: v for k, v in params.items() if k != "jaxpr"}),
+                  own if own is not None else inner.get(b, ("var", id(b))), str(o.aval))
+      continue
+    if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in params.values()):
+      continue
+    try:
+      p = repr(sorted(params.items()))
+    except Exception:  # noqa: BLE001 (parameters without a stable repr: no key)
+      continue
+    ins = tuple(atom(v) for v in eqn.invars)
+    for i, o in enumerate(eqn.outvars):
+      key[o] = (name, p, ins, i)
+  return key
 
 
 def _ordered(vars_: set, jaxpr: jcore.Jaxpr) -> list:
