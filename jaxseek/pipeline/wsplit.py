@@ -285,9 +285,8 @@ def _values(jaxpr: jcore.Jaxpr) -> dict:
       inner = _values(body)
       n = params["num_carry"]
       ins = tuple(atom(v) for v in eqn.invars)
-      for i, (o, b) in enumerate(zip(eqn.outvars[n:], body.outvars[n:])):
-        # a stacked output the body computes from its inputs alike (a body invar counts by its position)
-        at = {v: ("in", k) for k, v in enumerate(body.invars)}
+      at = {v: ("in", k) for k, v in enumerate(body.invars)}  # a body invar counts by its position
+      for o, b in zip(eqn.outvars[n:], body.outvars[n:]):  # stacked outputs the body computes alike
         own = at.get(b) if not _literal(b) else ("literal", repr(b.val))
         key[o] = ("scan", ins, repr({k: v for k, v in params.items() if k != "jaxpr"}),
                   own if own is not None else inner.get(b, ("var", id(b))), str(o.aval))
