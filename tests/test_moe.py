@@ -869,13 +869,22 @@ def test_dispatch_summary_gives_the_rows_one_layer_moves_per_device():
     assert line.startswith("MoE dispatch: ragged_all_to_all over expert=4") and line.endswith(
         f"(model.moe_dispatch=two_stage runs as this one-stage exchange: {why})"), line
   assert "two-stage (node-limited) over expert=4 as 2 nodes × 2" in experts.dispatch_summary(staged, sizes, "gpu", node=2)
-  # auto across nodes: one stage, and the line says so and names the other
+  # auto across nodes, dropless: the two-stage exchange, and the line says why; within a node one stage
   auto = load_config("tiny-v3", "mesh.data=2", "mesh.expert=4")
   line = experts.dispatch_summary(auto, sizes, "gpu", node=2)
-  assert line.startswith("MoE dispatch: ragged_all_to_all over expert=4") and line.endswith(
-      "(the expert axis spans 2 nodes: model.moe_dispatch=auto keeps one stage, every copy crossing on its own; "
-      "model.moe_dispatch=two_stage sends a token's row once per node, in more memory, docs/moe.md)"), line
-  assert "auto keeps one stage" not in experts.dispatch_summary(auto, sizes, "gpu", node=None)
+  assert line.startswith("MoE dispatch: two-stage (node-limited) over expert=4 as 2 nodes × 2") and line.endswith(
+      "(model.moe_dispatch=auto: the expert axis spans 2 nodes and the exchange is dropless; ragged keeps one "
+      "stage)"), line
+  assert experts.dispatch_summary(auto, sizes, "gpu", node=None).startswith("MoE dispatch: ragged_all_to_all")
+  # ragged asked for across nodes: one stage, nothing to explain
+  ragged = load_config("tiny-v3", "mesh.data=2", "mesh.expert=4", "model.moe_dispatch=ragged")
+  assert experts.dispatch_summary(ragged, sizes, "gpu", node=2).endswith("results back in float32"), line
+  # auto with a capacity factor keeps one stage across nodes (two_stage with one is refused), and says why
+  capped = load_config("tiny-v3", "mesh.data=2", "mesh.expert=4", "model.moe_capacity_factor=1.5")
+  line = experts.dispatch_summary(capped, sizes, "gpu", node=2)
+  assert line.startswith("MoE dispatch: ragged_all_to_all") and line.endswith(
+      "applies per pair of devices: model.moe_dispatch=auto runs as this one-stage exchange; null for two "
+      "stages)"), line
 
 
 @pytest.mark.parametrize("path", ["fixed", "ragged"])

@@ -85,8 +85,6 @@ def settings(run: dict[str, Any]) -> tuple[str, list[str], list[str]]:
     # train.remat=minimal does (MLA's latents and the attention output kept, the rest recomputed)
     over += ["model.moe_capacity_factor=null", "model.moe_dispatch_dtype=float8_e4m3fn", "optim.moments_dtype=bfloat16",
              "train.remat=minimal"]
-    if ep > 8:
-      over.append("model.moe_dispatch=two_stage")
     return str(CONFIGS / "deepseek-v3-671b.yaml"), over, differs
   a = run["arch"]
   over += [f"model.num_hidden_layers={a['layers']}", f"model.hidden_size={a['hidden']}",

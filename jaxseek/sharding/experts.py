@@ -112,11 +112,16 @@ class Settings:
     return max(1, min(self.chunks, tokens)) if self.capacity_factor is None else 1
 
   def two_stage(self, shards: int, where: str | None = None) -> bool:
-    """Whether token copies go by the node-limited two-stage exchange on `shards` expert shards: ragged dispatch
-    (model.moe_dispatch=two_stage), no capacity factor, and the expert axis spanning whole nodes."""
+    """Whether token copies go by the node-limited two-stage exchange on `shards` expert shards: a ragged
+    dispatch (model.moe_dispatch=two_stage, or auto where ragged runs), no capacity factor, and the expert axis
+    spanning whole nodes."""
     kind = choice.dispatch_kind(self.dispatch, where)
-    spans = self.node is not None and 1 < self.node < shards and shards % self.node == 0
-    return spans and self.capacity_factor is None and kind == "two_stage"
+    return self.spans_nodes(shards) and self.capacity_factor is None and (
+        kind == "two_stage" or (self.dispatch == "auto" and kind == "ragged"))
+
+  def spans_nodes(self, shards: int) -> bool:
+    """Whether the `shards` expert shards lie on whole nodes of `node` shards each, more than one."""
+    return self.node is not None and 1 < self.node < shards and shards % self.node == 0
 
 
 def expert_axes(cfg: ModelConfig) -> tuple[str, ...]:
@@ -510,17 +515,18 @@ def dispatch_summary(cfg, sizes: dict[str, int], where: str | None = None, node:
            f"and combine can run beside another's expert GEMMs (model.moe_overlap_chunks)") if chunks > 1 else ""
   if settings.two_stage(P, where):
     reach = settings.nodes_reached(P, K)
+    why = (f" (model.moe_dispatch=auto: the expert axis spans {P // node} nodes and the exchange is dropless; "
+           f"ragged keeps one stage)") if m.moe_dispatch == "auto" else ""
     return (f"MoE dispatch: two-stage (node-limited) over {over} as {P // node} nodes × {node}: each token's "
             f"row crosses to a node at most once (≤ {reach} rows a token instead of its {K} copies) into a receive "
             f"buffer of {settings.node_rows(x, P, reach)} rows a round, then fans out within the node into a "
             f"receive buffer of {recv} rows a round (further rounds past either, none dropped); the node's sums "
-            f"come back one row per token and node; {rows}, results back in {t.compute_dtype}{split}")
+            f"come back one row per token and node; {rows}, results back in {t.compute_dtype}{split}{why}")
   instead = ""
-  if m.moe_dispatch == "auto" and node is not None and node < P and m.moe_capacity_factor is None:
-    instead = (f" (the expert axis spans {P // node} nodes: model.moe_dispatch=auto keeps one stage, every copy "
-               f"crossing on its own; model.moe_dispatch=two_stage sends a token's row once per node, in more memory, "
-               f"docs/moe.md)")
-  if m.moe_dispatch == "two_stage":  # asked for, but there is no second level to fan out in
+  if settings.spans_nodes(P) and m.moe_capacity_factor is not None and m.moe_dispatch != "ragged":
+    instead = (f" (the expert axis spans {P // node} nodes, but model.moe_capacity_factor applies per pair of "
+               f"devices: model.moe_dispatch={m.moe_dispatch} runs as this one-stage exchange; null for two stages)")
+  elif m.moe_dispatch == "two_stage":  # asked for, but there is no second level to fan out in
     spans = f"the expert axis's {P} shards lie within one node" if node is None or node >= P else \
         f"{node} devices a node do not split the expert axis's {P} shards into whole nodes"
     instead = f" (model.moe_dispatch=two_stage runs as this one-stage exchange: {spans})"
