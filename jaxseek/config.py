@@ -81,10 +81,9 @@ class ModelConfig:
   # Expert-parallel dispatch (sharding/experts.py, docs/moe.md): "fixed" sends C rows to every expert shard with
   # all_to_all (padded: any backend); "ragged" exchanges the copy counts first, then sends exactly the routed
   # copies with ragged_all_to_all into one receive buffer per device, grouped by local expert (GPU, TPU: XLA:CPU
-  # has no ragged-all-to-all); "auto" is ragged on GPU and TPU, fixed elsewhere.
-  # "two_stage" (node-limited; GPU, TPU, dropless): each token crosses to a node once, then fans out within it.
-  # Not picked by auto: compiled for DeepSeek-V3's layout it needs more memory than the one-stage exchange
-  # (docs/moe.md).
+  # has no ragged-all-to-all); "two_stage" (node-limited; GPU, TPU, dropless): each token crosses to a node once,
+  # then fans out within it. "auto": on GPU and TPU two_stage where the expert axis spans whole nodes and no
+  # capacity factor is set, else ragged; fixed elsewhere (docs/moe.md).
   moe_dispatch: Literal["auto", "fixed", "ragged", "two_stage"] = "auto"
   # The ragged receive buffer of one round, R = ⌈moe_recv_factor · K·x⌉ rows for x local tokens (K·x = a shard's
   # balanced load); copies past R go in further rounds of the exchange (never dropped; moe_extra_round_fraction

@@ -533,6 +533,17 @@ def test_two_stage_dispatch_bytes_equal_a_hand_count():
   assert buffers["node rows sent"] == [min(N, K) * x, 40] and buffers["node rows received"] == [R1, 40]
   assert buffers["node rows received (float8 + scales)"] == [R1, row_fp8]
   assert buffers["token copies sorted by expert"] == [W, 40] and buffers["rows received, dequantised"] == [W, 40]
+  # in 2 chunks each chunk of x/2 tokens has an exchange of its own (experts.routed): the buffers hold one chunk's,
+  # and the bytes moved stay those of all x tokens
+  cfg2 = load_config("tiny-v3", *mesh_overrides("e4d2"), "model.moe_dispatch_dtype=float8_e4m3fn",
+                     "model.moe_dispatch=two_stage", "model.moe_overlap_chunks=2")
+  plan2 = explore.plan(explore.describe(cfg2), sizes_of("e4d2"), hw)
+  halves = {r["name"]: r["shape"] for r in plan2["activations"] if r["scope"] == "moe"}
+  x2 = x // 2
+  R1 = min(N * x2, math.ceil(f * x2 * min(N, K)))
+  assert halves["node rows sent"] == [min(N, K) * x2, 40] and halves["node rows received"] == [R1, 40]
+  assert halves["token copies sorted by expert"] == [min(R1 * K, math.ceil(f * K * x2)), 40]
+  assert plan2["expert_dispatch"]["bytes_inter_node"] == pytest.approx(dispatch["bytes_inter_node"])
 
 
 def test_nodes_a_token_reaches_match_the_closed_form():

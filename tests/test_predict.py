@@ -84,8 +84,10 @@ def v3(*overrides, device="h800-80g"):
 def test_the_prediction_is_its_parts_and_never_faster_than_the_bound_without_overlap():
   """On V3's layout: the step is the sum of its parts; compute at achieved rates takes longer than at peak, each
   collective longer than at its nominal rate; FP8 shortens compute; pairing a forward with a backward hides part of
-  the exchange (at most the compute beside it), which nothing hides without it."""
-  plain, fp8, paired = v3("train.fp8=false"), v3("train.fp8=true"), v3("train.fp8=true", "train.pipeline_overlap=true")
+  the exchange (at most the compute beside it), which nothing hides without it or the config's chunks."""
+  one = "model.moe_overlap_chunks=1"
+  plain, fp8, paired = (v3("train.fp8=false", one), v3("train.fp8=true", one),
+                        v3("train.fp8=true", "train.pipeline_overlap=true", one))
   for plan in (plain, fp8, paired):
     p = plan["prediction"]
     parts = [v for k, v in p.items() if k.endswith("_s") and k not in ("step_s", "exchange_s", "reductions_s",
@@ -99,6 +101,8 @@ def test_the_prediction_is_its_parts_and_never_faster_than_the_bound_without_ove
   p = paired["prediction"]
   hidden = p["exchange_s"] - p["exposed_exchange_s"]
   assert 0.3 * p["exchange_s"] < hidden <= p["compute_s"]
+  chunked = v3("train.fp8=false")["prediction"]  # the config's 2 chunks: one's exchange beside the other's GEMMs
+  assert 0 < chunked["exchange_s"] - chunked["exposed_exchange_s"] <= chunked["compute_s"]
 
 
 def test_a_table_schedule_is_timed_by_its_busiest_stage():

@@ -218,6 +218,10 @@ def dispatch(cfg: Config, sizes: dict[str, int], batch: int, platform: str, node
   settings = experts.Settings.from_config(m, node)
   if not settings.two_stage(P, platform):
     return Dispatch("ragged", P, e, x, x * K, R, out_row, D * a, dtype)
+  # model.moe_overlap_chunks: each chunk of the tokens goes through an exchange of its own (experts.routed), one
+  # chunk's buffers live at a time (compiled for DeepSeek-V3's layout: 2 chunks 8.7 GiB under 1, 4 chunks 14 GiB)
+  x = -(-x // settings.chunk_count(x))
+  R = exchange.receive_rows(x, K, P, exchange.capacity(x, K, P, e, m.moe_capacity_factor), m.moe_recv_factor)
   reach, N = settings.nodes_reached(P, K), P // node
   R1 = max(1, min(settings.node_rows(x, P, reach), N * x))  # sharding/experts.py experts_two_stage
   return Dispatch("ragged", P, e, x, x * K, R, out_row, D * a, dtype, min(N, reach) * x, R1, min(R1 * K, R))
